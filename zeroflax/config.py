@@ -1,0 +1,215 @@
+"""Typed, validated, gin-configurable configuration.
+
+Every field is checked when the object is built; every failure raises `ConfigError` whose message
+names the key (as it would be written in a gin file, e.g. `Config.zero_stage`) and what would fix it.
+Checks that need the machine (device count) or the data (batch size) run in `initialize`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import gin
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+# Logical axis name -> mesh axis (or None = not partitioned). A tensor-parallel layout is a change of
+# this table, not of the model. The ZeRO data axis is added on top by the sharding policy.
+DEFAULT_LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", None),
+    ("layers", None),
+    ("embed", None),
+    ("vocab", "tensor"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("length", None),
+    ("conv_in", None),
+    ("conv_out", "tensor"),
+)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the key and how to fix it."""
+
+    def __init__(self, key: str, problem: str, fix: str | None = None):
+        self.key = key
+        message = f"{key}: {problem}"
+        if fix:
+            message += f" ({fix})"
+        super().__init__(message)
+
+
+def _require(ok: bool, key: str, problem: str, fix: str | None = None) -> None:
+    if not ok:
+        raise ConfigError(key, problem, fix)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Named mesh axes and their sizes, in mesh order. `-1` means "all remaining devices".
+
+    `data` is the ZeRO (data-parallel) axis, `tensor` the tensor-slicing axis.
+    """
+
+    axes: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1, "tensor": 1})
+
+    def __post_init__(self):
+        axes = dict(self.axes)
+        object.__setattr__(self, "axes", axes)
+        _require("data" in axes and "tensor" in axes, "MeshConfig.axes",
+                 f"must name at least the axes 'data' and 'tensor', got {list(axes)}",
+                 "e.g. {'data': -1, 'tensor': 1}")
+        for name, size in axes.items():
+            _require(isinstance(name, str) and name.isidentifier(), "MeshConfig.axes",
+                     f"axis name {name!r} is not an identifier")
+            _require(_is_int(size) and (size == -1 or size >= 1), f"MeshConfig.axes['{name}']",
+                     f"size must be a positive integer or -1 (all remaining devices), got {size!r}")
+        _require(sum(size == -1 for size in axes.values()) <= 1, "MeshConfig.axes",
+                 "at most one axis may be -1 (all remaining devices)")
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes with `-1` filled in, checked against the number of devices."""
+        fixed = math.prod(size for size in self.axes.values() if size != -1)
+        if fixed > num_devices or num_devices % fixed:
+            raise ConfigError("MeshConfig.axes",
+                              f"the mesh {self.axes} needs {fixed} devices (or a multiple) but "
+                              f"{num_devices} exist", "shrink an axis or set one axis to -1")
+        sizes = {name: (num_devices // fixed if size == -1 else size) for name, size in self.axes.items()}
+        if math.prod(sizes.values()) != num_devices:
+            raise ConfigError("MeshConfig.axes",
+                              f"the mesh {sizes} uses {math.prod(sizes.values())} of {num_devices} devices",
+                              "make the sizes multiply to the device count or set one axis to -1")
+        return sizes
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16 dynamic loss scaling; the keys and semantics mirror DeepSpeed's `fp16` block.
+
+    loss_scale: 0 for dynamic scaling, or a fixed scale.
+    initial_scale_power: the dynamic scale starts at 2**initial_scale_power.
+    loss_scale_window: steps without overflow before the scale doubles.
+    hysteresis: overflows tolerated before the scale is halved.
+    consecutive_hysteresis: refill the hysteresis budget on every non-overflow step.
+    min_loss_scale: the scale never drops below this.
+    """
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self):
+        k = "LossScaleConfig."
+        _require(isinstance(self.loss_scale, (int, float)) and self.loss_scale >= 0, k + "loss_scale",
+                 f"must be 0 (dynamic) or a positive fixed scale, got {self.loss_scale!r}")
+        _require(_is_int(self.initial_scale_power) and 0 <= self.initial_scale_power <= 64,
+                 k + "initial_scale_power", f"must be an integer in [0, 64], got {self.initial_scale_power!r}")
+        _require(_is_int(self.loss_scale_window) and self.loss_scale_window >= 1, k + "loss_scale_window",
+                 f"must be a positive integer, got {self.loss_scale_window!r}")
+        _require(_is_int(self.hysteresis) and self.hysteresis >= 1, k + "hysteresis",
+                 f"must be a positive integer, got {self.hysteresis!r}")
+        _require(isinstance(self.min_loss_scale, (int, float)) and self.min_loss_scale > 0,
+                 k + "min_loss_scale", f"must be > 0, got {self.min_loss_scale!r}")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything the engine needs besides the model, the loss and the optimizer.
+
+    mesh: device mesh axes (see MeshConfig).
+    zero_stage: 0 (plain data parallel), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
+    precision: 'fp32', 'bf16' or 'fp16' compute; master parameters, gradients and optimizer state
+        stay fp32. 'fp16' uses dynamic loss scaling (see `loss_scale`).
+    micro_batch_size: examples per device per forward/backward pass.
+    grad_accum_steps: micro-batches accumulated per optimizer step.
+    train_batch_size: global examples per step; None derives it as
+        micro_batch_size * grad_accum_steps * data-parallel size, otherwise it must equal that product.
+    grad_clip: clip gradients to this global L2 norm; 0 disables clipping.
+    persistence_threshold: leaves (per layer, for stacked layers) with fewer elements stay replicated
+        (DeepSpeed's stage3_param_persistence_threshold).
+    remat: activation checkpointing of each scanned layer: 'none', 'full' (save nothing),
+        'dots' (save matmul outputs), 'dots_no_batch' (save matmul outputs without batch dims).
+    logical_rules: logical axis name -> mesh axis name (or None), for leaves that carry logical names.
+    seed: seeds the per-step rng handed to the loss function.
+    """
+
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    zero_stage: int = 0
+    precision: str = "fp32"
+    micro_batch_size: int = 1
+    grad_accum_steps: int = 1
+    train_batch_size: int | None = None
+    grad_clip: float = 0.0
+    persistence_threshold: int = 100_000
+    remat: str = "full"
+    loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
+    logical_rules: tuple = DEFAULT_LOGICAL_RULES
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(isinstance(self.mesh, MeshConfig), "Config.mesh",
+                 f"must be a MeshConfig, got {type(self.mesh).__name__}")
+        _require(isinstance(self.loss_scale, LossScaleConfig), "Config.loss_scale",
+                 f"must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
+        _require(_is_int(self.zero_stage) and self.zero_stage in (0, 1, 2, 3), "Config.zero_stage",
+                 f"must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        _require(self.precision in PRECISIONS, "Config.precision",
+                 f"unknown precision {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        _require(_is_int(self.micro_batch_size) and self.micro_batch_size >= 1, "Config.micro_batch_size",
+                 f"must be a positive integer, got {self.micro_batch_size!r}")
+        _require(_is_int(self.grad_accum_steps) and self.grad_accum_steps >= 1, "Config.grad_accum_steps",
+                 f"must be a positive integer, got {self.grad_accum_steps!r}", "use 1 for no accumulation")
+        _require(self.train_batch_size is None or (_is_int(self.train_batch_size) and self.train_batch_size >= 1),
+                 "Config.train_batch_size", f"must be None or a positive integer, got {self.train_batch_size!r}")
+        _require(isinstance(self.grad_clip, (int, float)) and not isinstance(self.grad_clip, bool)
+                 and math.isfinite(self.grad_clip) and self.grad_clip >= 0, "Config.grad_clip",
+                 f"must be a finite number >= 0 (0 disables clipping), got {self.grad_clip!r}")
+        _require(_is_int(self.persistence_threshold) and self.persistence_threshold >= 0,
+                 "Config.persistence_threshold", f"must be an integer >= 0, got {self.persistence_threshold!r}")
+        _require(self.remat in REMAT_POLICIES, "Config.remat", f"unknown remat policy {self.remat!r}",
+                 f"use one of {', '.join(REMAT_POLICIES)}")
+        _require(_is_int(self.seed), "Config.seed", f"must be an integer, got {self.seed!r}")
+        rules = tuple(tuple(rule) for rule in self.logical_rules)
+        for rule in rules:
+            _require(len(rule) == 2 and isinstance(rule[0], str) and (rule[1] is None or isinstance(rule[1], str)),
+                     "Config.logical_rules", f"each rule must be (logical_name, mesh_axis_or_None), got {rule!r}")
+            _require(rule[1] is None or rule[1] in self.mesh.axes, "Config.logical_rules",
+                     f"rule {rule!r} maps to mesh axis {rule[1]!r}, which MeshConfig.axes does not define")
+            _require(rule[1] != "data", "Config.logical_rules",
+                     f"rule {rule!r} maps to 'data'; the data axis is reserved for ZeRO partitioning")
+        object.__setattr__(self, "logical_rules", rules)
+
+    @property
+    def compute_dtype(self):
+        import jax.numpy as jnp
+        return {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[self.precision]
+
+    def resolve_train_batch(self, data_parallel_size: int) -> int:
+        """The global batch per optimizer step; checks it against micro-batch x accumulation x DP."""
+        expected = self.micro_batch_size * self.grad_accum_steps * data_parallel_size
+        if self.train_batch_size is not None and self.train_batch_size != expected:
+            raise ConfigError(
+                "Config.train_batch_size",
+                f"{self.train_batch_size} != micro_batch_size ({self.micro_batch_size}) x grad_accum_steps "
+                f"({self.grad_accum_steps}) x data-parallel size ({data_parallel_size}) = {expected}",
+                "set train_batch_size to None to derive it, or change one of the factors")
+        return expected
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

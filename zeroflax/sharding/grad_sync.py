@@ -1,0 +1,59 @@
+"""Gradient synchronisation across the data axis: the one replaceable step between backward and update.
+
+Runs inside the engine's `shard_map` (manual over `data`), on each device's local gradients.
+`per_microbatch` is applied to every micro-batch's gradients before they are accumulated, `final`
+to the accumulated gradients. The ZeRO stages differ only in when a partitioned leaf is reduce-scattered:
+
+    stage 0   never: everything is all-reduced at the end
+    stage 1   at the end (local accumulation in full, then one reduce-scatter)
+    stage 2   per micro-batch (the accumulator is a shard)
+    stage 3   in the backward pass itself (the transpose of the ZeRO-3 gather is a reduce-scatter)
+
+Leaves that stay replicated over `data` (small or indivisible) are all-reduced at the end.
+A compressed scheme (1-bit Adam) replaces this object with its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from zeroflax.sharding.mesh import DATA_AXIS
+from zeroflax.sharding.policy import LeafPlacement
+
+SCATTER_WHEN = {0: None, 1: "final", 2: "microbatch", 3: "backward"}
+
+
+def _is_placement(x) -> bool:
+    return isinstance(x, LeafPlacement)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroGradSync:
+    stage: int
+    placements: Any  # tree of LeafPlacement, params structure
+    axis: str = DATA_AXIS
+
+    def _map(self, fn, grads):
+        return jax.tree.map(lambda p, g: fn(p, g), self.placements, grads, is_leaf=_is_placement)
+
+    def _scatter(self, placement: LeafPlacement, grad):
+        return jax.lax.psum_scatter(grad, self.axis, scatter_dimension=placement.zero_dim, tiled=True)
+
+    def per_microbatch(self, grads):
+        if SCATTER_WHEN[self.stage] != "microbatch":
+            return grads
+        return self._map(lambda p, g: g if p.zero_dim is None else self._scatter(p, g), grads)
+
+    def final(self, grads):
+        when = SCATTER_WHEN[self.stage]
+
+        def reduce(p, g):
+            if when is None or p.zero_dim is None:
+                return jax.lax.psum(g, self.axis)
+            if when == "final":
+                return self._scatter(p, g)
+            return g  # already scattered per micro-batch or in the backward pass
+
+        return self._map(reduce, grads)

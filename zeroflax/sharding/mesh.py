@@ -1,0 +1,28 @@
+"""Device mesh construction from `MeshConfig`."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from zeroflax.config import MeshConfig
+
+DATA_AXIS = "data"
+
+
+def build_mesh(mesh_config: MeshConfig, devices=None) -> Mesh:
+    """A mesh over `devices` (default: all of them) with the configured named axes.
+
+    Axes are `Auto` so XLA's SPMD partitioner propagates shardings; the engine makes the collectives
+    it cares about explicit with `shard_map` (manual over the data axis only).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_config.resolve(len(devices))
+    names = tuple(sizes)
+    shape = tuple(sizes.values())
+    device_array = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(device_array, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def data_size(mesh: Mesh) -> int:
+    return mesh.shape[DATA_AXIS]

@@ -1,0 +1,230 @@
+"""ZeRO placement policy: pure functions from (abstract pytree, mesh, config) to shardings.
+
+Two layers compose per leaf:
+  1. its own partitioning, from logical axis names through `Config.logical_rules` (tensor slicing);
+  2. ZeRO's partitioning over the `data` axis: the largest dimension that is divisible by the data
+     size and not already partitioned (ties go to the last dimension). Leaves smaller than
+     `Config.persistence_threshold` (per layer, for stacked layers) stay replicated, as do leaves with
+     no such dimension. The stacked-layer dimension itself (logical name 'layers' in front) is never
+     ZeRO-partitioned, so that a scan over layers gathers one layer at a time.
+
+Which states carry the data axis is the one table ZeRO is about:
+
+    stage   params   grads   optimizer state
+    0       -        -       -
+    1       -        data    data      (gradients are reduce-scattered, the update runs on a shard)
+    2       -        data    data      (and accumulated sharded across micro-batches)
+    3       data     data    data
+
+Everything that decides where an array lives (memory kind included, when offload arrives) belongs here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zeroflax.config import Config, ConfigError
+from zeroflax.sharding.mesh import DATA_AXIS
+
+LAYERS_AXIS = "layers"
+
+# stage -> which of (params, grads, optimizer state) are partitioned over the data axis.
+ZERO_PARTITIONED = {
+    0: dict(params=False, grads=False, opt_state=False),
+    1: dict(params=False, grads=True, opt_state=True),
+    2: dict(params=False, grads=True, opt_state=True),
+    3: dict(params=True, grads=True, opt_state=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlacement:
+    """Where one parameter leaf lives: its own mesh axes per dim, plus the ZeRO dimension."""
+
+    shape: tuple[int, ...]
+    base: tuple[Any, ...]  # mesh axis name (or None) for each dimension, without the data axis
+    zero_dim: int | None  # the dimension partitioned over `data`, or None (replicated over data)
+    stacked: bool  # leading dimension is a stack of layers
+
+    def spec(self, with_data: bool) -> P:
+        axes = list(self.base)
+        if with_data and self.zero_dim is not None:
+            axes[self.zero_dim] = DATA_AXIS
+        return P(*axes)
+
+    def data_spec(self) -> P:
+        """The spec naming only the data axis: shard_map's in/out spec when manual over `data`."""
+        axes = [None] * len(self.shape)
+        if self.zero_dim is not None:
+            axes[self.zero_dim] = DATA_AXIS
+        return P(*axes)
+
+
+def _is_placement(x) -> bool:
+    return isinstance(x, LeafPlacement)
+
+
+def choose_zero_dim(shape, base, data_size: int, threshold: int, stacked: bool) -> int | None:
+    """The dimension ZeRO partitions over the data axis, or None to keep the leaf replicated."""
+    if data_size == 1 or len(shape) == 0:
+        return None
+    first = 1 if stacked else 0
+    per_layer = math.prod(shape[first:])
+    if per_layer < max(threshold, 1):
+        return None
+    candidates = [d for d in range(first, len(shape)) if base[d] is None and shape[d] % data_size == 0]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda d: (shape[d], d))
+
+
+def logical_to_mesh_axes(names, rules, mesh: Mesh, path: str, shape) -> tuple:
+    """Map a leaf's logical axis names to mesh axes through the rule table; check divisibility."""
+    # Mesh axis names (from nn.with_partitioning) map to themselves; 'data' is ZeRO's alone.
+    table = {axis: axis for axis in mesh.axis_names if axis != DATA_AXIS}
+    table.update(rules)
+    axes = []
+    for dim, name in enumerate(names):
+        if name is None:
+            axes.append(None)
+            continue
+        if name == DATA_AXIS:
+            raise ConfigError("logical_axes", f"parameter {path} names the '{DATA_AXIS}' axis",
+                              "the data axis is reserved for ZeRO partitioning; name another axis")
+        if name not in table:
+            raise ConfigError("Config.logical_rules", f"no rule for logical axis {name!r} of parameter {path}",
+                              f"add ({name!r}, None) or ({name!r}, 'tensor') to the rules")
+        axis = table[name]
+        if axis is not None and mesh.shape.get(axis, 1) > 1:
+            if shape[dim] % mesh.shape[axis]:
+                raise ConfigError(f"MeshConfig.axes['{axis}']",
+                                  f"parameter {path} dimension {dim} ({name}, size {shape[dim]}) is not "
+                                  f"divisible by the {axis} axis size {mesh.shape[axis]}",
+                                  f"choose a {axis} size that divides {shape[dim]}, or map {name!r} to None")
+            axes.append(axis)
+        else:
+            axes.append(None)
+    return tuple(axes)
+
+
+def place_params(abstract_params, logical_axes, mesh: Mesh, config: Config):
+    """A tree of LeafPlacement, one per parameter leaf.
+
+    `logical_axes` is None or a tree with the params' structure whose leaves are tuples of logical
+    names (one per dimension; None entries for unnamed dimensions) or None for an unnamed leaf.
+    """
+    data_size = mesh.shape[DATA_AXIS]
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    if logical_axes is None:
+        names_list = [None] * len(leaves)
+    else:
+        names_list = treedef.flatten_up_to(logical_axes)
+    placements = []
+    for (path, leaf), names in zip(leaves, names_list):
+        shape = tuple(leaf.shape)
+        path_str = jax.tree_util.keystr(path)
+        if names is None:
+            base = (None,) * len(shape)
+            stacked = False
+        else:
+            names = tuple(names)
+            if len(names) != len(shape):
+                raise ConfigError("logical_axes", f"parameter {path_str} has shape {shape} but "
+                                  f"{len(names)} logical names {names}", "give one name (or None) per dimension")
+            base = logical_to_mesh_axes(names, config.logical_rules, mesh, path_str, shape)
+            stacked = len(names) > 0 and names[0] == LAYERS_AXIS
+        zero_dim = choose_zero_dim(shape, base, data_size, config.persistence_threshold, stacked)
+        placements.append(LeafPlacement(shape, base, zero_dim, stacked))
+    return jax.tree_util.tree_unflatten(treedef, placements)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """The shardings of every state the engine holds, for one ZeRO stage."""
+
+    mesh: Mesh
+    stage: int
+    placements: Any  # tree of LeafPlacement (params structure)
+    params: Any  # tree of NamedSharding: parameters at rest
+    grads: Any  # tree of NamedSharding: reduced gradients
+    opt_state: Any  # tree of NamedSharding: optimizer state at rest
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def batch(self, batch_tree):
+        """Batch leaves are split over the data axis along their leading dimension."""
+        return jax.tree.map(lambda _: NamedSharding(self.mesh, P(DATA_AXIS)), batch_tree)
+
+    def param_data_specs(self):
+        """shard_map specs of the parameters as they enter the loss (manual over `data`)."""
+        partitioned = ZERO_PARTITIONED[self.stage]["params"]
+        return jax.tree.map(lambda p: p.data_spec() if partitioned else P(), self.placements, is_leaf=_is_placement)
+
+    def grad_data_specs(self):
+        partitioned = ZERO_PARTITIONED[self.stage]["grads"]
+        return jax.tree.map(lambda p: p.data_spec() if partitioned else P(), self.placements, is_leaf=_is_placement)
+
+
+def _sharding_tree(mesh, placements, with_data: bool):
+    return jax.tree.map(lambda p: NamedSharding(mesh, p.spec(with_data)), placements, is_leaf=_is_placement)
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_state, abstract_params,
+                        placements, mesh: Mesh, config: Config, with_data: bool):
+    """Shardings of the optimizer state, derived from its abstract shape.
+
+    Parameter-shaped parts (found with `optax.tree_map_params`, i.e. by position in the params
+    structure, not by shape) follow their parameter's placement; a state leaf whose shape differs
+    from its parameter's (e.g. a factored second moment) gets the shape rule on its own; everything
+    else (step counts, scalars) is replicated.
+    """
+    data_size = mesh.shape[DATA_AXIS]
+
+    def for_param_slot(state_leaf, placement):
+        if not hasattr(state_leaf, "shape"):
+            return state_leaf
+        if tuple(state_leaf.shape) == placement.shape:
+            return NamedSharding(mesh, placement.spec(with_data))
+        shape = tuple(state_leaf.shape)
+        base = (None,) * len(shape)
+        zero_dim = choose_zero_dim(shape, base, data_size, config.persistence_threshold, False)
+        return NamedSharding(mesh, LeafPlacement(shape, base, zero_dim, False).spec(with_data))
+
+    def for_other(state_leaf):
+        return NamedSharding(mesh, P()) if hasattr(state_leaf, "shape") else state_leaf
+
+    return optax.tree_map_params(optimizer, for_param_slot, abstract_opt_state, placements,
+                                 transform_non_params=for_other, is_leaf=_is_placement)
+
+
+def make_plan(optimizer, abstract_params, logical_axes, mesh: Mesh, config: Config) -> ShardingPlan:
+    stage = config.zero_stage
+    which = ZERO_PARTITIONED[stage]
+    placements = place_params(abstract_params, logical_axes, mesh, config)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    return ShardingPlan(
+        mesh=mesh,
+        stage=stage,
+        placements=placements,
+        params=_sharding_tree(mesh, placements, which["params"]),
+        grads=_sharding_tree(mesh, placements, which["grads"]),
+        opt_state=opt_state_shardings(optimizer, abstract_opt, abstract_params, placements, mesh, config,
+                                      which["opt_state"]),
+    )
+
+
+def shard_bytes(abstract_tree, sharding_tree) -> int:
+    """Bytes one device holds of a tree of arrays under the given shardings."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(sharding_tree)):
+        shard_shape = sharding.shard_shape(tuple(leaf.shape))
+        total += math.prod(shard_shape) * np.dtype(leaf.dtype).itemsize
+    return total
