@@ -103,6 +103,11 @@ def _band(num_blocks: int, below: int, above: int) -> np.ndarray:
     return (d >= -below) & (d <= above)
 
 
+def _make_rng(seed):
+    """``random.Random(seed)``; ``seed=None`` uses the global ``random`` module, like DeepSpeed."""
+    return random if seed is None else random.Random(seed)
+
+
 class SparsityConfig:
     """Base class: number of heads, block size, and whether heads differ.
 
@@ -237,7 +242,7 @@ class VariableSparsityConfig(SparsityConfig):
         self.seed = seed
 
     def _rng(self):
-        return random.Random(self.seed)
+        return _make_rng(self.seed)
 
     def _head_layout(self, h, nb, rng):
         name = type(self).__name__
@@ -283,7 +288,7 @@ class BigBirdSparsityConfig(SparsityConfig):
         self.seed = seed
 
     def _rng(self):
-        return random.Random(self.seed)
+        return _make_rng(self.seed)
 
     def _head_layout(self, h, nb, rng):
         name = type(self).__name__
