@@ -1,0 +1,213 @@
+"""Communication report: the bytes every collective moves per step, read from the compiled HLO.
+
+Each collective instruction is counted with the product of the trip counts of the while loops it sits
+in (`known_trip_count` in the loop's backend config). Bytes are per device, for ring algorithms, with
+R the bytes of the instruction's result and G the size of its replica group:
+
+    all-gather          R (G-1)/G          reduce-scatter    R (G-1)
+    all-reduce          2 R (G-1)/G        all-to-all        R (G-1)/G
+    collective-permute  R
+
+The theory of design.md section 4, with N the data-parallel size, b_g the gradient and b_c the
+compute dtype's bytes: stages 0-2 move 2 b_g Psi (N-1)/N, stage 3 (2 b_c + b_g) Psi (N-1)/N.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+
+import jax
+import numpy as np
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[^=]*?\})\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
+
+
+def _array_bytes(type_text: str) -> list[int]:
+    sizes = []
+    for dtype, dims in _ARRAY.findall(type_text):
+        if dtype in DTYPE_BYTES:
+            count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            sizes.append(count * DTYPE_BYTES[dtype])
+    return sizes
+
+
+def _group_size(attrs: str, num_devices: int) -> int:
+    iota = _GROUPS_IOTA.search(attrs)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    listed = _GROUPS_LIST.search(attrs)
+    if listed:
+        first = listed.group(1).split("}")[0].strip("{ ")
+        return len([x for x in first.split(",") if x.strip()]) or num_devices
+    return num_devices
+
+
+def _per_device_bytes(kind: str, result_bytes: int, group: int) -> float:
+    if group <= 1:
+        return 0.0
+    return {
+        "all-gather": result_bytes * (group - 1) / group,
+        "reduce-scatter": result_bytes * (group - 1),
+        "all-reduce": 2 * result_bytes * (group - 1) / group,
+        "all-to-all": result_bytes * (group - 1) / group,
+        "collective-permute": result_bytes,
+    }[kind]
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str
+    computation: str
+    result_bytes: int
+    group_size: int
+    trip_count: int
+    bytes_per_step: float
+
+
+def parse_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective], bool]:
+    """All collectives in an HLO module with their per-step bytes; second value: any unknown trip count."""
+    body: dict[str, list[str]] = {}
+    entry = None
+    current = None
+    for line in hlo_text.splitlines():
+        match = _COMPUTATION.match(line)
+        if match and "=" not in line.split("(")[0]:
+            current = match.group(1)
+            body[current] = []
+            if line.lstrip().startswith("ENTRY"):
+                entry = current
+            continue
+        if current is not None:
+            if line.strip() == "}":
+                current = None
+            else:
+                body[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+
+    # How many times each computation runs per step: the sum over its call sites.
+    multiplier: dict[str, int] = collections.defaultdict(int)
+    unknown_trip = False
+
+    def visit(name: str, times: int, depth: int = 0):
+        nonlocal unknown_trip
+        if depth > 64 or name not in body:
+            return
+        multiplier[name] += times
+        for line in body[name]:
+            callees = _CALLEE.findall(line)
+            branches = _BRANCHES.search(line)
+            if branches:
+                callees += [("branch", b.strip().lstrip("%")) for b in branches.group(1).split(",") if b.strip()]
+            if not callees:
+                continue
+            is_while = re.search(r"\swhile\(", line) is not None
+            trip = 1
+            if is_while:
+                found = _TRIP.search(line)
+                if found:
+                    trip = int(found.group(1))
+                else:
+                    unknown_trip = True
+            for role, callee in callees:
+                if role == "to_apply":  # reduction regions hold no collectives
+                    continue
+                visit(callee, times * (trip if role == "body" else 1), depth + 1)
+
+    visit(entry, 1)
+    collectives = []
+    for name, times in multiplier.items():
+        for line in body[name]:
+            match = _INSTRUCTION.match(line)
+            if not match:
+                continue
+            result_type, opcode, rest = match.groups()
+            kind = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+            if kind not in COLLECTIVES:
+                continue
+            sizes = _array_bytes(result_type)
+            # Async "-start" results are tuples (operands..., outputs...): the output is the last array.
+            result_bytes = sizes[-1] if opcode.endswith("-start") else sum(sizes)
+            group = _group_size(rest, num_devices)
+            collectives.append(Collective(kind, name, result_bytes, group, times,
+                                          times * _per_device_bytes(kind, result_bytes, group)))
+    return collectives, unknown_trip
+
+
+@dataclasses.dataclass
+class CommReport:
+    stage: int
+    data_size: int
+    num_params: int
+    compute_bytes: int
+    grad_bytes: int
+    by_kind: dict  # kind -> {"count": instructions x trips, "bytes": per device per step}
+    total_bytes: float
+    theory_bytes: float
+    unknown_trip_count: bool
+    collectives: list
+
+    @property
+    def ratio(self) -> float:
+        return self.total_bytes / self.theory_bytes if self.theory_bytes else float("nan")
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["ratio"] = self.ratio
+        return json.loads(json.dumps(out))
+
+    def __str__(self) -> str:
+        lines = [f"communication per step, per device (ZeRO stage {self.stage}, N={self.data_size}, "
+                 f"Psi={self.num_params:,})",
+                 f"  {'collective':<20}{'count':>8}{'MiB':>12}"]
+        for kind, row in sorted(self.by_kind.items()):
+            lines.append(f"  {kind:<20}{row['count']:>8}{row['bytes'] / 2**20:>12.2f}")
+        lines.append(f"  {'total':<20}{'':>8}{self.total_bytes / 2**20:>12.2f}")
+        lines.append(f"  {'theory':<20}{'':>8}{self.theory_bytes / 2**20:>12.2f}   ratio {self.ratio:.3f}")
+        if self.unknown_trip_count:
+            lines.append("  warning: a loop without a known trip count was counted once")
+        return "\n".join(lines)
+
+
+def theory_bytes(stage: int, num_params: int, data_size: int, compute_bytes: int, grad_bytes: int) -> float:
+    share = (data_size - 1) / data_size
+    if stage == 3:
+        return (2 * compute_bytes + grad_bytes) * num_params * share
+    return 2 * grad_bytes * num_params * share
+
+
+def comm_report(engine, state, batch) -> CommReport:
+    compiled = engine.compile(state, batch)
+    collectives, unknown = parse_collectives(compiled.as_text(), engine.mesh.size)
+    by_kind: dict = {}
+    for c in collectives:
+        row = by_kind.setdefault(c.kind, {"count": 0, "bytes": 0.0})
+        row["count"] += c.trip_count
+        row["bytes"] += c.bytes_per_step
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(engine.abstract_params))
+    compute = np.dtype(engine.config.compute_dtype).itemsize
+    grad = max(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(engine.abstract_params))  # master dtype
+    total = sum(c.bytes_per_step for c in collectives)
+    return CommReport(
+        stage=engine.config.zero_stage, data_size=engine.data_size, num_params=num_params,
+        compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, total_bytes=total,
+        theory_bytes=theory_bytes(engine.config.zero_stage, num_params, engine.data_size, compute, grad),
+        unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives])

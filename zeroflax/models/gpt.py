@@ -1,0 +1,134 @@
+"""A GPT-style decoder: pre-LayerNorm, causal self-attention, GELU MLP, optional tied embeddings.
+
+The layers are stacked (leading logical axis 'layers') and run with `zeroflax.scan_layers`, so under
+ZeRO-3 one layer's weights are gathered at a time and the remat policy comes from `Config.remat`.
+Every parameter has logical axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`, `layers`, `length`),
+so tensor slicing is a change of `Config.logical_rules`, not of this file. Activations and the loss are
+computed in the dtype the engine hands in (bf16/fp16 under mixed precision), with LayerNorm statistics,
+softmax and the cross-entropy in fp32.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zeroflax.sharding.layers import scan_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    num_layers: int = 4
+    d_model: int = 128
+    num_heads: int = 4
+    d_ff: int | None = None  # default 4 * d_model
+    max_len: int = 256
+    tie_embeddings: bool = True
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def num_params(self) -> int:
+        d, f, L = self.d_model, self.ff, self.num_layers
+        per_layer = 4 * d + 3 * d * d + d * d + d * f + f + f * d + d
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return L * per_layer + self.vocab_size * d + self.max_len * d + 2 * d + head
+
+
+def layer_norm(x, scale, bias, eps: float = 1e-5):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def dense_causal_attention(q, k, v):
+    """q, k, v: [batch, seq, heads, head_dim] -> [batch, seq, heads, head_dim]."""
+    scale = q.shape[-1] ** -0.5
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    logits = jnp.where(causal, logits, -1e30)
+    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def block(x, p, attention: Callable = dense_causal_attention):
+    """One decoder layer on x [batch, seq, d_model] with this layer's parameters p."""
+    h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
+    q, k, v = jnp.einsum("btd,dshk->sbthk", h, p["w_qkv"])
+    x = x + jnp.einsum("bthk,hkd->btd", attention(q, k, v), p["w_o"])
+    h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
+    h = jax.nn.gelu(h @ p["w_in"] + p["b_in"])
+    return x + h @ p["w_out"] + p["b_out"]
+
+
+def _stacked(module: nn.Module, name: str, init, shape, names):
+    # `variable` rather than `param`: under ZeRO-3 the stacked leaf arrives as this device's shard,
+    # whose shape Linen's `param` would reject; `scan_layers` gathers it one layer at a time.
+    boxed = nn.with_logical_partitioning(init, names)
+    return module.variable("params", name, lambda: boxed(module.make_rng("params"), shape)).value
+
+
+class GPT(nn.Module):
+    config: GPTConfig
+    remat: str | None = None  # None: the engine's Config.remat (or none outside the engine)
+    attention: Callable = dense_causal_attention
+
+    @nn.compact
+    def __call__(self, tokens):
+        c = self.config
+        L, d, f, H, K = c.num_layers, c.d_model, c.ff, c.num_heads, c.head_dim
+        normal = nn.initializers.normal(0.02)
+        out_normal = nn.initializers.normal(0.02 / (2 * L) ** 0.5)
+        ones, zeros = nn.initializers.ones, nn.initializers.zeros
+        embed = self.param("embed", nn.with_logical_partitioning(normal, ("vocab", "embed")), (c.vocab_size, d))
+        pos = self.param("pos_embed", nn.with_logical_partitioning(normal, ("length", "embed")), (c.max_len, d))
+        layers = {
+            "ln1_scale": _stacked(self, "ln1_scale", ones, (L, d), ("layers", "embed")),
+            "ln1_bias": _stacked(self, "ln1_bias", zeros, (L, d), ("layers", "embed")),
+            "w_qkv": _stacked(self, "w_qkv", normal, (L, d, 3, H, K), ("layers", "embed", None, "heads", "kv")),
+            "w_o": _stacked(self, "w_o", out_normal, (L, H, K, d), ("layers", "heads", "kv", "embed")),
+            "ln2_scale": _stacked(self, "ln2_scale", ones, (L, d), ("layers", "embed")),
+            "ln2_bias": _stacked(self, "ln2_bias", zeros, (L, d), ("layers", "embed")),
+            "w_in": _stacked(self, "w_in", normal, (L, d, f), ("layers", "embed", "mlp")),
+            "b_in": _stacked(self, "b_in", zeros, (L, f), ("layers", "mlp")),
+            "w_out": _stacked(self, "w_out", out_normal, (L, f, d), ("layers", "mlp", "embed")),
+            "b_out": _stacked(self, "b_out", zeros, (L, d), ("layers", "embed")),
+        }
+        ln_scale = self.param("ln_f_scale", nn.with_logical_partitioning(ones, ("embed",)), (d,))
+        ln_bias = self.param("ln_f_bias", nn.with_logical_partitioning(zeros, ("embed",)), (d,))
+
+        t = tokens.shape[1]
+        x = jnp.take(embed, tokens, axis=0) + pos[:t]
+        x = scan_layers(lambda h, p: block(h, p, self.attention), x, layers, remat=self.remat)
+        x = layer_norm(x, ln_scale, ln_bias)
+        if c.tie_embeddings:
+            return jnp.einsum("btd,vd->btv", x, embed)
+        head = self.param("head", nn.with_logical_partitioning(normal, ("embed", "vocab")), (d, c.vocab_size))
+        return x @ head
+
+
+def next_token_loss(model: GPT):
+    """loss_fn(params, batch, rng) for the engine: mean next-token cross-entropy (nats) of
+    batch['tokens'] [batch, seq + 1]."""
+
+    def loss_fn(params, batch, rng):
+        tokens = batch["tokens"]
+        logits = model.apply({"params": params}, tokens[:, :-1]).astype(jnp.float32)
+        targets = tokens[:, 1:]
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return jnp.mean(logz - picked)
+
+    return loss_fn
