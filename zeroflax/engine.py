@@ -163,7 +163,7 @@ class Engine:
         scale = state.loss_scale.scale
         grads, loss, aux = self._sharded_grads(state.params, batch, rng, scale)
         grads = jax.lax.with_sharding_constraint(grads, plan.grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) if fp16 else jnp.asarray(True)
         if config.grad_clip > 0:
             # optax.clip_by_global_norm's rule, so a clipped step equals optax's chain.
