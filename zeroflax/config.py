@@ -10,7 +10,12 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-import gin
+try:
+    import gin
+    configurable = gin.configurable
+except ImportError:  # e.g. a GPU image without gin-config: the Python API works, only the CLI needs gin
+    def configurable(cls):
+        return cls
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -51,7 +56,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@gin.configurable
+@configurable
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Named mesh axes and their sizes, in mesh order. `-1` means "all remaining devices".
@@ -90,7 +95,7 @@ class MeshConfig:
         return sizes
 
 
-@gin.configurable
+@configurable
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
     """fp16 dynamic loss scaling; the keys and semantics mirror DeepSpeed's `fp16` block.
@@ -124,7 +129,7 @@ class LossScaleConfig:
                  k + "min_loss_scale", f"must be > 0, got {self.min_loss_scale!r}")
 
 
-@gin.configurable
+@configurable
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Everything the engine needs besides the model, the loss and the optimizer.
