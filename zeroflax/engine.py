@@ -80,6 +80,7 @@ class Engine:
             loss_scale=jax.tree.map(lambda _: plan.replicated, init_loss_scale(config.loss_scale, False)),
             rng=plan.replicated)
         self._jit_step = None
+        self._jit_eval = None
         self._compiled: dict = {}
 
     # ----------------------------------------------------------------------------- local gradients
@@ -196,23 +197,46 @@ class Engine:
         return self._jit_step
 
     def check_batch(self, batch) -> None:
-        sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
-        if sizes != {self.train_batch_size}:
-            raise ConfigError(
-                "Config.train_batch_size",
-                f"the batch's leading dimensions are {sorted(sizes, key=str)}, expected {self.train_batch_size} "
-                f"(micro_batch_size x grad_accum_steps x data-parallel size {self.data_size})",
-                "feed batches of train_batch_size examples")
+        """Global arrays must hold train_batch_size rows; host (numpy) data this process's share of them."""
+        local = self.train_batch_size // jax.process_count()
+        for x in jax.tree.leaves(batch):
+            expected = self.train_batch_size if isinstance(x, jax.Array) else local
+            if np.ndim(x) == 0 or np.shape(x)[0] != expected:
+                raise ConfigError(
+                    "Config.train_batch_size",
+                    f"a batch leaf has shape {np.shape(x)}, expected {expected} rows (train_batch_size "
+                    f"{self.train_batch_size} = micro_batch_size x grad_accum_steps x data-parallel size "
+                    f"{self.data_size}, split over {jax.process_count()} process(es))",
+                    "feed batches of train_batch_size examples")
+
+    def put_batch(self, batch):
+        """The batch as global arrays split over `data`; host data is this process's rows of it."""
+        self.check_batch(batch)
+        sharding = NamedSharding(self.mesh, P(DATA_AXIS))
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array)
+                            else jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step over `batch` (train_batch_size examples). `state` is donated."""
-        self.check_batch(batch)
+        batch = self.put_batch(batch)
         return self._step_fn(batch)(state, batch)
+
+    def evaluate(self, state: TrainState, batch) -> jax.Array:
+        """The mean loss on `batch` with the current parameters (forward only, compute dtype)."""
+        batch = self.put_batch(batch)
+        if self._jit_eval is None:
+            def eval_loss(params, batch):
+                cast = lambda tree: jax.tree.map(
+                    lambda x: x.astype(self.config.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+                loss, _ = _split_loss_output(self.loss_fn(cast(params), cast(batch), None))
+                return loss.astype(jnp.float32)
+            self._jit_eval = jax.jit(eval_loss, out_shardings=self.plan.replicated)
+        return self._jit_eval(state.params, batch)
 
     # ----------------------------------------------------------------------------- compile-only
     def compile(self, state, batch):
         """The compiled step for these (abstract or concrete) arguments; no step is run."""
-        self.check_batch(batch)
+        batch = self.put_batch(batch)
         state_abs = _abstract(state)
         batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
         key = jax.tree.structure((state_abs, batch_abs)), tuple(

@@ -16,9 +16,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zeroflax.config import configurable
 from zeroflax.sharding.layers import scan_layers
 
 
+@configurable
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 256
@@ -28,6 +30,17 @@ class GPTConfig:
     d_ff: int | None = None  # default 4 * d_model
     max_len: int = 256
     tie_embeddings: bool = True
+
+    def __post_init__(self):
+        from zeroflax.config import ConfigError
+        for key in ("vocab_size", "num_layers", "d_model", "num_heads", "max_len"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"GPTConfig.{key}", f"must be a positive integer, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ConfigError("GPTConfig.num_heads", f"{self.num_heads} heads do not divide d_model {self.d_model}")
+        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff < 1):
+            raise ConfigError("GPTConfig.d_ff", f"must be None (4 x d_model) or a positive integer, got {self.d_ff!r}")
 
     @property
     def ff(self) -> int:

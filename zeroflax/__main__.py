@@ -1,0 +1,5 @@
+import sys
+
+from zeroflax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""Checkpoints with orbax: asynchronous, keep-N, every K steps, restorable on any mesh.
+
+One checkpoint holds four items, written atomically together (orbax writes into a temporary
+directory and renames it when every item is complete, so a crash mid-save leaves the previous
+checkpoint as the newest complete one):
+
+    params   the fp32 master parameters
+    train    optimizer state, loss-scale state, step and rng
+    data     the data loader's position (JSON)
+    meta     what is needed to rebuild the model without the training config (JSON)
+
+Arrays are stored as global arrays, not per-device shards, so a restore only needs the abstract
+target with the *new* shardings (another ZeRO stage, another device count, or one CPU device):
+no conversion step.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, empty, corrupt or incompatible; the message names it."""
+
+
+def _abstract_with_shardings(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+class Checkpointer:
+    def __init__(self, directory: str, *, every: int = 100, keep: int = 3, asynchronous: bool = True):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=every, max_to_keep=keep, enable_async_checkpointing=asynchronous,
+            create=True, cleanup_tmp_directories=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
+        """Start saving (asynchronously); returns whether a checkpoint is being written at this step."""
+        train = {"opt_state": state.opt_state, "loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
+        args = ocp.args.Composite(params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(train),
+                                  data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+        return self.manager.save(step, args=args, force=force)
+
+    def restore(self, step: int | None, state, shardings):
+        """(state, data_state, meta) at `step` (default: the newest complete one), placed with `shardings`
+        (a TrainState of shardings); `state` supplies the structure, shapes and dtypes."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        train = {"opt_state": state.opt_state, "loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
+        train_shardings = {"opt_state": shardings.opt_state, "loss_scale": shardings.loss_scale,
+                           "step": shardings.step, "rng": shardings.rng}
+        args = ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract_with_shardings(state.params, shardings.params)),
+            train=ocp.args.StandardRestore(_abstract_with_shardings(train, train_shardings)),
+            data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        try:
+            restored = self.manager.restore(step, args=args)
+        except Exception as error:  # orbax raises many types for a damaged directory
+            raise CheckpointError(f"cannot restore step {step} from {self.directory}: "
+                                  f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
+        t = restored["train"]
+        new_state = state.replace(params=restored["params"], opt_state=t["opt_state"], loss_scale=t["loss_scale"],
+                                  step=t["step"], rng=t["rng"])
+        return new_state, restored["data"], restored["meta"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def read_meta(directory: str, step: int | None = None) -> tuple[int, dict]:
+    """(step, meta) of the newest complete checkpoint (or `step`) in `directory`."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    manager = ocp.CheckpointManager(os.path.abspath(directory),
+                                    options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"no complete checkpoint in {directory}")
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as error:
+        raise CheckpointError(f"cannot read step {step} in {directory}: {type(error).__name__}") from error
+    finally:
+        manager.close()
+    return step, meta
+
+
+def restore_params(directory: str, abstract_params: Any, sharding, step: int | None = None):
+    """Only the parameters, every leaf placed with `sharding` (e.g. one CPU device)."""
+    manager = ocp.CheckpointManager(os.path.abspath(directory),
+                                    options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"no complete checkpoint in {directory}")
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_params)
+    try:
+        return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
+    except Exception as error:
+        raise CheckpointError(f"cannot restore parameters of step {step} from {directory}: "
+                              f"{type(error).__name__}") from error
+    finally:
+        manager.close()

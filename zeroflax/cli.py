@@ -1,0 +1,151 @@
+"""`zeroflax` command line: train (gin-configured), generate, launch.
+
+    zeroflax train --gin_file experiments/gpt_tiny_zero3.gin --gin_param 'Config.zero_stage = 2'
+    zeroflax train --gin_file experiments/gpt_tiny_zero3.gin --resume
+    zeroflax generate --checkpoint runs/gpt_tiny --prompt "The "
+    zeroflax launch --nproc 2 -- zeroflax train --gin_file experiments/gpt_tiny_zero3.gin
+
+Errors in the user's input (config, gin, data, checkpoints, mesh) print one line and exit with 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+from zeroflax.distributed import DEVICES_ENV, launch_env
+
+EXIT_USAGE = 2
+
+
+def _force_cpu_devices(count: int) -> None:
+    """Simulated CPU devices; must happen before jax creates its CPU backend."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
+
+
+def _parse_gin(files, bindings):
+    import gin
+
+    from zeroflax.config import ConfigError
+    # Importing these registers their configurables with gin.
+    import zeroflax.train  # noqa: F401
+    import zeroflax.models.gpt  # noqa: F401
+
+    for path in files:
+        if not os.path.isfile(path):
+            raise ConfigError("--gin_file", f"{path} does not exist")
+    try:
+        gin.parse_config_files_and_bindings(files, bindings)
+    except ValueError as error:
+        first = " ".join(str(error).split("\n")[0:1])
+        raise ConfigError("--gin_param" if bindings else "--gin_file", f"gin: {first}") from error
+
+
+def cmd_train(args) -> int:
+    _force_cpu_devices(int(os.environ.get(DEVICES_ENV, args.cpu_devices)))
+    from zeroflax.distributed import maybe_initialize
+    _parse_gin(args.gin_file, args.gin_param)
+    maybe_initialize()
+    from zeroflax.config import Config
+    from zeroflax.models.gpt import GPTConfig
+    from zeroflax.train import TrainConfig, train
+    train(TrainConfig(), Config(), GPTConfig(), resume=args.resume, stop_at=args.stop_at,
+          progress=not args.no_progress)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    from zeroflax.checkpoint import read_meta, restore_params
+    from zeroflax.generate import generate_text
+    from zeroflax.models.gpt import GPT, GPTConfig
+
+    directory = args.checkpoint
+    if os.path.isdir(os.path.join(directory, "checkpoints")):
+        directory = os.path.join(directory, "checkpoints")  # a training workdir was given
+    step, meta = read_meta(directory, args.step)
+    model_config = GPTConfig(**meta["model"])
+    model = GPT(model_config)
+    from zeroflax.adapters import unbox
+    abstract, _ = unbox(jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), jax.numpy.zeros((1, 1), "int32"))["params"]))
+    device = jax.devices("cpu")[0]
+    params = restore_params(directory, abstract, jax.sharding.SingleDeviceSharding(device), step)
+    print(generate_text(model_config, params, args.prompt, args.length, args.temperature, args.seed))
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cmd_launch(args) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise SystemExit("zeroflax launch: give the command after --, e.g. zeroflax launch --nproc 2 -- zeroflax train ...")
+    port = args.port or _free_port()
+    processes = [subprocess.Popen(command, env=launch_env(i, args.nproc, port, args.devices_per_process))
+                 for i in range(args.nproc)]
+    codes = [p.wait() for p in processes]
+    failed = [c for c in codes if c != 0]
+    return failed[0] if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zeroflax", description="DeepSpeed's ZeRO training, natively in JAX.")
+    sub = parser.add_subparsers(dest="command_name", required=True)
+
+    train = sub.add_parser("train", help="train the GPT from gin configs")
+    train.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    train.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. 'Config.zero_stage = 2'")
+    train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    train.add_argument("--stop_at", type=int, default=None, help="stop (with a checkpoint) after this step")
+    train.add_argument("--cpu_devices", type=int, default=8, help="simulated CPU devices per process (default 8)")
+    train.add_argument("--no_progress", action="store_true", help="no progress bar")
+    train.set_defaults(run=cmd_train)
+
+    gen = sub.add_parser("generate", help="sample text from a checkpoint on one CPU device")
+    gen.add_argument("--checkpoint", required=True, help="a training workdir or its checkpoints/ directory")
+    gen.add_argument("--prompt", default="The ")
+    gen.add_argument("--length", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    gen.set_defaults(run=cmd_generate)
+
+    launch = sub.add_parser("launch", help="run a command as N local processes of one distributed job")
+    launch.add_argument("--nproc", type=int, required=True)
+    launch.add_argument("--devices_per_process", type=int, default=None,
+                        help="simulated CPU devices per process (default: 8 / nproc)")
+    launch.add_argument("--port", type=int, default=None)
+    launch.add_argument("command", nargs=argparse.REMAINDER)
+    launch.set_defaults(run=cmd_launch)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command_name == "launch" and args.devices_per_process is None:
+        args.devices_per_process = max(1, 8 // args.nproc)
+    from zeroflax.checkpoint import CheckpointError
+    from zeroflax.config import ConfigError
+    from zeroflax.data import DataError
+    try:
+        return args.run(args)
+    except (ConfigError, DataError, CheckpointError) as error:
+        print(f"zeroflax: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("zeroflax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

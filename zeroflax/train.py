@@ -1,0 +1,211 @@
+"""The main job: train the byte-level GPT on real text with the ZeRO engine.
+
+Progress bar (tqdm) with loss, tokens/s and ETA; metrics to `metrics.jsonl` and TensorBoard;
+validation bits per byte before, during and after; asynchronous orbax checkpoints with the data
+loader's position, so `resume=True` continues exactly; a sample of generated text at the end.
+Configured with gin (`TrainConfig`, `GPTConfig`, `Config`, `MeshConfig`, `LossScaleConfig`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+
+import zeroflax
+from zeroflax.checkpoint import Checkpointer
+from zeroflax.config import Config, ConfigError, configurable
+from zeroflax.data import TokenLoader, load_tokens, train_val_split, validation_batches
+from zeroflax.generate import generate_text
+from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
+
+
+@configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """workdir: checkpoints, metrics.jsonl and TensorBoard events go here.
+    data: 'builtin' (English text shipped with Python), a text file, or a .npy file of tokens.
+    steps: optimizer steps in total (the learning-rate schedule spans them).
+    checkpoint_every / keep_checkpoints: save every K steps, keep the newest N (and always the last).
+    eval_every: validation every K steps (0: only before and after); eval_batches: batches per validation.
+    """
+
+    workdir: str = "runs/gpt_tiny"
+    data: str = "builtin"
+    val_fraction: float = 0.05
+    seq_len: int = 128
+    steps: int = 500
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    log_every: int = 10
+    eval_every: int = 0
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    async_checkpointing: bool = True
+    tensorboard: bool = True
+    sample_prompt: str = "The "
+    sample_length: int = 200
+    sample_temperature: float = 0.7
+
+    def __post_init__(self):
+        positive = ("seq_len", "steps", "log_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
+        for key in positive:
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"TrainConfig.{key}", f"must be a positive integer, got {value!r}")
+        for key in ("warmup_steps", "eval_every", "sample_length"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"TrainConfig.{key}", f"must be an integer >= 0, got {value!r}")
+        if not (isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0):
+            raise ConfigError("TrainConfig.learning_rate", f"must be > 0, got {self.learning_rate!r}")
+        if not (isinstance(self.val_fraction, float) and 0 < self.val_fraction <= 0.5):
+            raise ConfigError("TrainConfig.val_fraction", f"must be in (0, 0.5], got {self.val_fraction!r}")
+        if self.warmup_steps >= self.steps:
+            raise ConfigError("TrainConfig.warmup_steps", f"{self.warmup_steps} must be below steps ({self.steps})")
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
+                                                  end_value=tc.learning_rate * 0.1)
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per line, flushed) and, if tensorboardX is present, TensorBoard."""
+
+    def __init__(self, workdir: str, tensorboard: bool, enabled: bool):
+        self.enabled = enabled
+        self.file = open(os.path.join(workdir, "metrics.jsonl"), "a") if enabled else None
+        self.writer = None
+        if enabled and tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+                self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            except ImportError:
+                print("tensorboardX is not installed: metrics go to metrics.jsonl only", file=sys.stderr)
+
+    def write(self, step: int, **values) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)):
+                    self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.writer:
+            self.writer.close()
+
+
+def validation_bits_per_byte(engine, state, val_tokens, tc: TrainConfig) -> float:
+    losses = [float(engine.evaluate(state, batch)) for batch in validation_batches(
+        val_tokens, tc.seq_len, engine.train_batch_size, max_batches=tc.eval_batches,
+        process_index=jax.process_index(), process_count=jax.process_count())]
+    return float(np.mean(losses)) / math.log(2)  # nats per byte -> bits per byte
+
+
+def train(tc: TrainConfig | None = None, config: Config | None = None, model_config: GPTConfig | None = None, *,
+          resume: bool = False, stop_at: int | None = None, progress: bool = True) -> dict:
+    """Run (or resume) training; returns a summary (validation bits per byte, final loss, sample)."""
+    from tqdm.auto import tqdm
+
+    tc, config, model_config = tc or TrainConfig(), config or Config(), model_config or GPTConfig()
+    is_main = jax.process_index() == 0
+    say = print if is_main else (lambda *a, **k: None)
+    if model_config.max_len < tc.seq_len:
+        raise ConfigError("GPTConfig.max_len", f"{model_config.max_len} is shorter than TrainConfig.seq_len "
+                          f"{tc.seq_len}", "raise max_len or lower seq_len")
+    tokens = load_tokens(tc.data)
+    if int(tokens.max()) >= model_config.vocab_size:
+        raise ConfigError("GPTConfig.vocab_size", f"the data holds token id {int(tokens.max())}, but the vocabulary "
+                          f"has {model_config.vocab_size} entries")
+    train_tokens, val_tokens = train_val_split(tokens, tc.val_fraction, min_tokens=tc.seq_len + 1)
+
+    model = GPT(model_config)
+    sample = {"tokens": np.zeros((1, tc.seq_len + 1), np.int32)}
+    engine, state = zeroflax.initialize(next_token_loss(model),
+                                        lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"],
+                                        make_optimizer(tc), config, sample_batch=sample)
+    loader = TokenLoader(train_tokens, tc.seq_len, engine.train_batch_size, seed=config.seed,
+                         process_index=jax.process_index(), process_count=jax.process_count())
+    os.makedirs(tc.workdir, exist_ok=True)
+    checkpoints = Checkpointer(os.path.join(tc.workdir, "checkpoints"), every=tc.checkpoint_every,
+                               keep=tc.keep_checkpoints, asynchronous=tc.async_checkpointing)
+    meta = {"model": dataclasses.asdict(model_config), "train": dataclasses.asdict(tc),
+            "config": json.loads(json.dumps(config.to_dict(), default=str))}
+    latest = checkpoints.latest_step()
+    if latest is not None and not resume:
+        raise ConfigError("TrainConfig.workdir", f"{tc.workdir} holds checkpoints of an earlier run (newest: step "
+                          f"{latest})", "pass --resume to continue it, or choose another workdir")
+    if resume and latest is not None:
+        state, data_state, _ = checkpoints.restore(latest, state, engine.state_shardings)
+        loader.restore(data_state)
+        say(f"resumed from step {latest} in {checkpoints.directory}")
+    elif resume:
+        say(f"no checkpoint in {checkpoints.directory}: starting from scratch")
+    start = int(state.step)
+
+    num_params = sum(x.size for x in jax.tree.leaves(state.params))
+    say(f"zeroflax: GPT with {num_params:,} parameters, ZeRO stage {config.zero_stage}, {config.precision}, "
+        f"mesh {dict(engine.mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es); "
+        f"{engine.train_batch_size} x {tc.seq_len} tokens per step; {train_tokens.size:,} training bytes ({tc.data})")
+    first_batch = loader.next_batch()
+    if is_main:
+        print(engine.memory_report(state, first_batch))
+    metrics_log = MetricsLog(tc.workdir, tc.tensorboard, is_main)
+    bpb_before = validation_bits_per_byte(engine, state, val_tokens, tc)
+    say(f"validation: {bpb_before:.3f} bits per byte at step {start}")
+    metrics_log.write(start, val_bits_per_byte=bpb_before)
+
+    end = tc.steps if stop_at is None else min(stop_at, tc.steps)
+    tokens_per_step = engine.train_batch_size * tc.seq_len
+    bar = tqdm(total=tc.steps, initial=start, disable=not (is_main and progress), unit="step", dynamic_ncols=True)
+    last_time, last_step, batch, loss = time.perf_counter(), start, first_batch, float("nan")
+    for step in range(start, end):
+        if batch is None:
+            batch = loader.next_batch()
+        state, metrics = engine.step(state, batch)
+        batch = None
+        done = step + 1
+        if done % tc.log_every == 0 or done == end:
+            loss = float(metrics["loss"])  # waits for the step
+            now = time.perf_counter()
+            tokens_per_s = (done - last_step) * tokens_per_step / (now - last_time)
+            last_time, last_step = now, done
+            metrics_log.write(done, loss=loss, grad_norm=float(metrics["grad_norm"]),
+                              loss_scale=float(metrics["loss_scale"]), skipped=bool(metrics["skipped"]),
+                              tokens_per_s=tokens_per_s)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        if tc.eval_every and done % tc.eval_every == 0 and done != end:
+            bpb = validation_bits_per_byte(engine, state, val_tokens, tc)
+            metrics_log.write(done, val_bits_per_byte=bpb)
+            bar.write(f"step {done}: validation {bpb:.3f} bits per byte")
+        checkpoints.save(done, state, loader.state(), meta, force=done == end)
+        bar.update(1)
+    bar.close()
+    checkpoints.close()
+    bpb_after = validation_bits_per_byte(engine, state, val_tokens, tc)
+    metrics_log.write(end, val_bits_per_byte=bpb_after)
+    metrics_log.close()
+    say(f"validation: {bpb_after:.3f} bits per byte at step {end} (was {bpb_before:.3f}); "
+        f"checkpoint in {checkpoints.directory}")
+    text = ""
+    if is_main and tc.sample_length:
+        params = jax.device_get(state.params)
+        text = generate_text(model_config, params, tc.sample_prompt, tc.sample_length, tc.sample_temperature)
+        print("sample:\n" + text)
+    return {"val_bpb_before": bpb_before, "val_bpb_after": bpb_after, "final_loss": loss, "steps": end,
+            "sample": text, "workdir": tc.workdir}
