@@ -67,7 +67,7 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=args)
         except Exception as error:  # orbax raises many types for a damaged directory
-            raise CheckpointError(f"cannot restore step {step} from {self.directory}: "
+            raise CheckpointError(f"corrupt or incompatible checkpoint: cannot restore step {step} from {self.directory}: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
         t = restored["train"]
         new_state = state.replace(params=restored["params"], opt_state=t["opt_state"], loss_scale=t["loss_scale"],
@@ -94,7 +94,8 @@ def read_meta(directory: str, step: int | None = None) -> tuple[int, dict]:
     try:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as error:
-        raise CheckpointError(f"cannot read step {step} in {directory}: {type(error).__name__}") from error
+        raise CheckpointError(f"corrupt or incomplete checkpoint: cannot read step {step} in {directory} "
+                              f"({type(error).__name__})") from error
     finally:
         manager.close()
     return step, meta
@@ -111,7 +112,7 @@ def restore_params(directory: str, abstract_params: Any, sharding, step: int | N
     try:
         return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
     except Exception as error:
-        raise CheckpointError(f"cannot restore parameters of step {step} from {directory}: "
-                              f"{type(error).__name__}") from error
+        raise CheckpointError(f"corrupt or incompatible checkpoint: cannot restore the parameters of step {step} "
+                              f"from {directory} ({type(error).__name__})") from error
     finally:
         manager.close()

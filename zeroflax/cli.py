@@ -69,7 +69,7 @@ def cmd_generate(args) -> int:
     if os.path.isdir(os.path.join(directory, "checkpoints")):
         directory = os.path.join(directory, "checkpoints")  # a training workdir was given
     step, meta = read_meta(directory, args.step)
-    model_config = GPTConfig(**meta["model"])
+    model_config = GPTConfig.from_dict(meta["model"])
     model = GPT(model_config)
     from zeroflax.adapters import unbox
     abstract, _ = unbox(jax.eval_shape(

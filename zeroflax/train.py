@@ -144,7 +144,7 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
     os.makedirs(tc.workdir, exist_ok=True)
     checkpoints = Checkpointer(os.path.join(tc.workdir, "checkpoints"), every=tc.checkpoint_every,
                                keep=tc.keep_checkpoints, asynchronous=tc.async_checkpointing)
-    meta = {"model": dataclasses.asdict(model_config), "train": dataclasses.asdict(tc),
+    meta = {"model": model_config.to_dict(), "train": dataclasses.asdict(tc),
             "config": json.loads(json.dumps(config.to_dict(), default=str))}
     latest = checkpoints.latest_step()
     if latest is not None and not resume:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -186,8 +187,10 @@ def sparse_attention_pallas(q, k, v, layout, *, causal: bool, key_padding_mask=N
     row_full = pl.BlockSpec((None, None, length), lambda b_, h, i: (b_, h, 0))
     kpm_full = pl.BlockSpec((None, length), lambda b_, h, i: (b_, 0))
     kpm_blk = pl.BlockSpec((None, block), lambda b_, h, i: (b_, i))
-    tabs_f = (jnp.asarray(fwd_t.counts), jnp.asarray(fwd_t.cols))
-    tabs_b = (jnp.asarray(bwd_t.counts), jnp.asarray(bwd_t.cols))
+    # Host (numpy) tables: closed over by the custom_vjp below, where a jax array made inside another
+    # transformation (scan, checkpoint, shard_map) would be a leaked tracer.
+    tabs_f = (np.asarray(fwd_t.counts), np.asarray(fwd_t.cols))
+    tabs_b = (np.asarray(bwd_t.counts), np.asarray(bwd_t.cols))
     row_shape = jax.ShapeDtypeStruct((b, heads, length), _F32)
 
     def forward(q, k, v, kpm):

@@ -153,8 +153,10 @@ def sparse_attention_xla(q, k, v, layout, *, causal: bool, key_padding_mask=None
     scale = float(dim ** -0.5 if sm_scale is None else sm_scale)
     static = dict(block=block, causal=causal, scale=scale)
     pick = (lambda a: a) if per_head else (lambda a: a[0])  # shared tables are not vmapped
-    tf = tuple(jnp.asarray(pick(a)) for a in (fwd_t.row, fwd_t.cols, fwd_t.valid))
-    tb = tuple(jnp.asarray(pick(a)) for a in (bwd_t.row, bwd_t.cols, bwd_t.valid))
+    # Host (numpy) tables: the custom_vjp below closes over them, and a jax array made here would be a
+    # tracer when this runs inside another transformation (scan, checkpoint, shard_map).
+    tf = tuple(np.asarray(pick(a)) for a in (fwd_t.row, fwd_t.cols, fwd_t.valid))
+    tb = tuple(np.asarray(pick(a)) for a in (bwd_t.row, bwd_t.cols, bwd_t.valid))
     fwd = _per_head(_fwd_head, 3, tf, per_head, **static)
     dq_fn = _per_head(_dq_head, 6, tf, per_head, **static)
     dkv_fn = _per_head(_dkv_head, 6, tb, per_head, **static)

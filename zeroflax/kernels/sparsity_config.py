@@ -150,6 +150,11 @@ class SparsityConfig:
     def _head_layout(self, h: int, num_blocks: int, rng) -> np.ndarray:
         raise NotImplementedError
 
+    def to_dict(self) -> dict:
+        """JSON-serialisable: the class name and the constructor arguments (see `sparsity_from_dict`)."""
+        return {"class": type(self).__name__,
+                **{k: v for k, v in vars(self).items() if k != "num_layout_heads"}}
+
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "num_layout_heads")
         return f"{type(self).__name__}({args})"
@@ -363,3 +368,15 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
                              f"{self.num_sliding_window_blocks} exceeds the {nb} blocks of a row.")
         w = self.num_sliding_window_blocks // 2
         return _band(nb, w, 0 if self.attention == "unidirectional" else w)
+
+
+def sparsity_from_dict(spec: dict) -> SparsityConfig:
+    """Rebuild a config from `SparsityConfig.to_dict()` (e.g. from a checkpoint's metadata)."""
+    classes = {cls.__name__: cls for cls in (DenseSparsityConfig, FixedSparsityConfig, VariableSparsityConfig,
+                                             BigBirdSparsityConfig, BSLongformerSparsityConfig,
+                                             LocalSlidingWindowSparsityConfig)}
+    spec = dict(spec)
+    name = spec.pop("class")
+    if name not in classes:
+        raise ValueError(f"unknown sparsity config class {name!r}; expected one of {sorted(classes)}")
+    return classes[name](**spec)

@@ -10,7 +10,8 @@ softmax and the cross-entropy in fp32.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -30,6 +31,8 @@ class GPTConfig:
     d_ff: int | None = None  # default 4 * d_model
     max_len: int = 256
     tie_embeddings: bool = True
+    attention: str = "dense"  # 'dense' or 'sparse' (block-sparse, DeepSpeed layouts; needs `sparsity`)
+    sparsity: Any = None  # a zeroflax.kernels SparsityConfig, e.g. BigBirdSparsityConfig(num_heads=4)
 
     def __post_init__(self):
         from zeroflax.config import ConfigError
@@ -41,6 +44,36 @@ class GPTConfig:
             raise ConfigError("GPTConfig.num_heads", f"{self.num_heads} heads do not divide d_model {self.d_model}")
         if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff < 1):
             raise ConfigError("GPTConfig.d_ff", f"must be None (4 x d_model) or a positive integer, got {self.d_ff!r}")
+        if self.attention not in ("dense", "sparse"):
+            raise ConfigError("GPTConfig.attention", f"must be 'dense' or 'sparse', got {self.attention!r}")
+        if self.attention == "sparse":
+            from zeroflax.kernels import SparsityConfig
+            if not isinstance(self.sparsity, SparsityConfig):
+                raise ConfigError("GPTConfig.sparsity", "sparse attention needs a sparsity config",
+                                  "e.g. GPTConfig.sparsity = @BigBirdSparsityConfig() in gin")
+            if self.sparsity.num_heads != self.num_heads:
+                raise ConfigError("GPTConfig.sparsity", f"the layout has {self.sparsity.num_heads} heads, the "
+                                  f"model {self.num_heads}", "set the sparsity config's num_heads to match")
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable (checkpoint metadata); `from_dict` inverts it."""
+        out = dataclasses.asdict(self)
+        out["sparsity"] = None if self.sparsity is None else self.sparsity.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> "GPTConfig":
+        spec = dict(spec)
+        if spec.get("sparsity") is not None:
+            from zeroflax.kernels.sparsity_config import sparsity_from_dict
+            spec["sparsity"] = sparsity_from_dict(spec["sparsity"])
+        return cls(**spec)
+
+    def attention_fn(self) -> Callable:
+        if self.attention == "dense":
+            return dense_causal_attention
+        from zeroflax.kernels import sparse_attention
+        return functools.partial(sparse_attention, layout=self.sparsity, causal=True)
 
     @property
     def ff(self) -> int:
@@ -86,6 +119,20 @@ def block(x, p, attention: Callable = dense_causal_attention):
     return x + h @ p["w_out"] + p["b_out"]
 
 
+def _register_sparsity_configs_with_gin() -> None:
+    try:
+        import gin
+    except ImportError:
+        return
+    from zeroflax import kernels
+    for name in ("DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig", "BigBirdSparsityConfig",
+                 "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig"):
+        gin.external_configurable(getattr(kernels, name), module="zeroflax.kernels")
+
+
+_register_sparsity_configs_with_gin()
+
+
 def _stacked(module: nn.Module, name: str, init, shape, names):
     # `variable` rather than `param`: under ZeRO-3 the stacked leaf arrives as this device's shard,
     # whose shape Linen's `param` would reject; `scan_layers` gathers it one layer at a time.
@@ -96,7 +143,6 @@ def _stacked(module: nn.Module, name: str, init, shape, names):
 class GPT(nn.Module):
     config: GPTConfig
     remat: str | None = None  # None: the engine's Config.remat (or none outside the engine)
-    attention: Callable = dense_causal_attention
 
     @nn.compact
     def __call__(self, tokens):
@@ -124,7 +170,8 @@ class GPT(nn.Module):
 
         t = tokens.shape[1]
         x = jnp.take(embed, tokens, axis=0) + pos[:t]
-        x = scan_layers(lambda h, p: block(h, p, self.attention), x, layers, remat=self.remat)
+        attention = c.attention_fn()
+        x = scan_layers(lambda h, p: block(h, p, attention), x, layers, remat=self.remat)
         x = layer_norm(x, ln_scale, ln_bias)
         if c.tie_embeddings:
             return jnp.einsum("btd,vd->btv", x, embed)

@@ -1,0 +1,42 @@
+"""Running `python -m zeroflax ...` in a subprocess, as a user would."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "experiments", "gpt_tiny_zero3.gin")
+
+
+def tiny_bindings(workdir, steps=6, **extra):
+    """A GPT small enough to compile in seconds; every step logged, checkpoints every 2 steps."""
+    bindings = {
+        "GPTConfig.num_layers": 2, "GPTConfig.d_model": 32, "GPTConfig.num_heads": 2, "GPTConfig.max_len": 32,
+        "TrainConfig.seq_len": 32, "TrainConfig.steps": steps, "TrainConfig.warmup_steps": 1,
+        "TrainConfig.log_every": 1, "TrainConfig.eval_every": 0, "TrainConfig.eval_batches": 1,
+        "TrainConfig.checkpoint_every": 2, "TrainConfig.sample_length": 0, "TrainConfig.tensorboard": False,
+        "TrainConfig.workdir": repr(str(workdir)), "Config.micro_batch_size": 1, "Config.persistence_threshold": 0,
+    }
+    bindings.update(extra)
+    args = []
+    for key, value in bindings.items():
+        args += ["--gin_param", f"{key} = {value}"]
+    return args
+
+
+def env_without_device_flags():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the CLI sets its own device count
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def zeroflax(*args, timeout=300, **kwargs):
+    return subprocess.run([sys.executable, "-m", "zeroflax", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env_without_device_flags(), cwd=ROOT, **kwargs)
+
+
+def losses(workdir):
+    import json
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
