@@ -1,0 +1,26 @@
+# The two commands of the README. Both create .venv and install zeroflax on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test setup clean
+
+$(BIN)/zeroflax: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(BIN)/zeroflax
+
+# The main job: a tiny GPT trained with ZeRO-3 on 8 simulated CPU devices (about 4 minutes on 2 cores).
+# --resume: a second `make run` continues (or just re-reports) the run in runs/ instead of erasing it.
+run: setup
+	$(BIN)/zeroflax train --gin_file experiments/gpt_tiny_zero3.gin --resume
+
+# The test suite (about 8 minutes on 2 cores). pytest's exit code 5 (no tests collected) is a failure.
+test: setup
+	$(BIN)/python -m pytest -n 2 -q tests
+
+clean:
+	rm -rf $(VENV) runs *.egg-info
