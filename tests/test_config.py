@@ -25,6 +25,7 @@ INVALID = {
     "infinite clipping": (lambda: Config(grad_clip=float("inf")), "Config.grad_clip"),
     "negative threshold": (lambda: Config(persistence_threshold=-1), "Config.persistence_threshold"),
     "unknown remat": (lambda: Config(remat="sometimes"), "Config.remat"),
+    "no remat under ZeRO-3": (lambda: Config(zero_stage=3, remat="none"), "Config.remat"),
     "rule to unknown axis": (lambda: Config(logical_rules=(("mlp", "model"),)), "Config.logical_rules"),
     "rule to data axis": (lambda: Config(logical_rules=(("mlp", "data"),)), "Config.logical_rules"),
     "mesh without tensor": (lambda: MeshConfig({"data": 8}), "MeshConfig.axes"),

@@ -109,3 +109,19 @@ def test_stage3_gathers_in_the_compute_dtype(gpt_setup):
     scatter_bytes = comm.by_kind["reduce-scatter"]["bytes"]
     gather_bytes = comm.by_kind["all-gather"]["bytes"]
     assert gather_bytes < 1.1 * scatter_bytes  # two bf16 gathers ~ one fp32 reduce-scatter
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+def test_every_remat_policy_regathers_in_the_backward_pass(gpt_setup, remat):
+    """Under ZeRO-3 no remat policy keeps the gathered weights for the backward pass: each stacked leaf
+    is gathered once per layer in the forward pass and, where the backward pass needs it, again there
+    (a bias whose value no gradient depends on is not regathered). Kept weights would mean exactly
+    one gather per leaf and layer."""
+    engine, state, batch = build(gpt_setup, 3, remat=remat)
+    comm = engine.comm_report(state, batch)
+    layer_gathers = sum(c["trip_count"] for c in comm.collectives if c["kind"] == "all-gather" and c["trip_count"] > 1)
+    stacked = sum(1 for p in jax.tree.leaves(engine.plan.placements, is_leaf=lambda x: hasattr(x, "stacked"))
+                  if p.stacked and p.zero_dim is not None)
+    assert layer_gathers > 1.5 * 4 * stacked
+    state, metrics = engine.step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))

@@ -147,6 +147,7 @@ class Config:
         (DeepSpeed's stage3_param_persistence_threshold).
     remat: activation checkpointing of each scanned layer: 'none', 'full' (save nothing),
         'dots' (save matmul outputs), 'dots_no_batch' (save matmul outputs without batch dims).
+        With zero_stage 3, 'none' is refused: it would keep every layer's gathered weights.
     logical_rules: logical axis name -> mesh axis name (or None), for leaves that carry logical names.
     seed: seeds the per-step rng handed to the loss function.
     """
@@ -186,6 +187,9 @@ class Config:
                  "Config.persistence_threshold", f"must be an integer >= 0, got {self.persistence_threshold!r}")
         _require(self.remat in REMAT_POLICIES, "Config.remat", f"unknown remat policy {self.remat!r}",
                  f"use one of {', '.join(REMAT_POLICIES)}")
+        _require(not (self.zero_stage == 3 and self.remat == "none"), "Config.remat",
+                 "'none' with zero_stage 3 would keep every layer's gathered weights until the backward pass",
+                 "use 'dots' (saves all matmul outputs, the closest to no remat) or 'full'")
         _require(_is_int(self.seed), "Config.seed", f"must be an integer, got {self.seed!r}")
         rules = tuple(tuple(rule) for rule in self.logical_rules)
         for rule in rules:

@@ -112,7 +112,7 @@ class Engine:
         device_rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))
         # The loss of the whole step is the mean over all data-parallel micro-batches.
         weight = 1.0 / (self.data_size * accum)
-        ctx = LayerContext(remat=config.remat, stage3=config.zero_stage == 3)
+        ctx = LayerContext(remat=config.remat)
 
         def micro_grads(micro_batch, micro_rng):
             def scaled_loss(p):

@@ -33,8 +33,6 @@ Options: --sizes 125m 350m 1.3b, --remat none|full|dots|dots_no_batch, --attenti
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import datetime
 import gc
 import json
@@ -77,28 +75,8 @@ def flops_per_token(cfg: "gpt.GPTConfig", seq: int) -> tuple[float, int]:
     return 6.0 * psi + 12.0 * cfg.num_layers * seq * cfg.d_model, psi
 
 
-def attention_fn(name: str):
-    if name == "dense":
-        return gpt.dense_causal_attention
-    implementation = "cudnn" if name == "cudnn" else "xla"
-    # q, k, v: [batch, seq, heads, head_dim], jax.nn.dot_product_attention's layout.
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-
-
-@contextlib.contextmanager
-def model_with_attention(cfg, name: str):
-    """The GPT module using attention `name` ('dense' is the model's own)."""
-    fn = attention_fn(name)
-    fields = {f.name for f in dataclasses.fields(gpt.GPT)}
-    if "attention" in fields and name != "dense":  # a GPT with an attention callable field
-        yield gpt.GPT(cfg, attention=fn)
-        return
-    original = gpt.dense_causal_attention  # otherwise GPTConfig.attention='dense' looks it up at trace time
-    gpt.dense_causal_attention = fn
-    try:
-        yield gpt.GPT(cfg)
-    finally:
-        gpt.dense_causal_attention = original
+# --attention: this script's names for GPTConfig.attention.
+ATTENTION = {"dense": "dense", "xla": "dot_product", "cudnn": "cudnn"}
 
 
 def is_oom(error: BaseException) -> bool:
@@ -117,7 +95,7 @@ def memory_limit(device) -> int | None:
 
 def measure(name, spec, batch, args, device):
     cfg = gpt.GPTConfig(vocab_size=args.vocab, num_layers=spec["num_layers"], d_model=spec["d_model"],
-                        num_heads=spec["num_heads"], max_len=args.seq)
+                        num_heads=spec["num_heads"], max_len=args.seq, attention=ATTENTION[args.attention])
     fpt, psi = flops_per_token(cfg, args.seq)
     row = dict(size=name, params=cfg.num_params(), psi=psi, layers=cfg.num_layers, d_model=cfg.d_model,
                heads=cfg.num_heads, vocab=cfg.vocab_size, seq=args.seq, batch=batch, tokens_per_step=batch * args.seq,
@@ -125,14 +103,14 @@ def measure(name, spec, batch, args, device):
     config = zeroflax.Config(zero_stage=args.zero_stage, precision="bf16", micro_batch_size=batch,
                              remat=args.remat, mesh=zeroflax.MeshConfig({"data": -1, "tensor": 1}))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, args.seq + 1), dtype=np.int32)
-    with model_with_attention(cfg, args.attention) as model:
-        init = lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"]
-        t0 = time.perf_counter()
-        engine, state = zeroflax.initialize(gpt.next_token_loss(model), init, optax.adamw(3e-4, weight_decay=0.1),
-                                            config, sample_batch={"tokens": tokens}, devices=[device])
-        data = jax.device_put({"tokens": tokens}, engine.plan.batch({"tokens": tokens}))
-        step = engine.compile(state, data)
-        row["compile_s"] = time.perf_counter() - t0
+    model = gpt.GPT(cfg)
+    init = lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"]
+    t0 = time.perf_counter()
+    engine, state = zeroflax.initialize(gpt.next_token_loss(model), init, optax.adamw(3e-4, weight_decay=0.1),
+                                        config, sample_batch={"tokens": tokens}, devices=[device])
+    data = jax.device_put({"tokens": tokens}, engine.plan.batch({"tokens": tokens}))
+    step = engine.compile(state, data)
+    row["compile_s"] = time.perf_counter() - t0
     ma = step.memory_analysis()
     if ma is not None:
         need = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes

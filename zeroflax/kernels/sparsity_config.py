@@ -108,6 +108,14 @@ def _make_rng(seed):
     return random if seed is None else random.Random(seed)
 
 
+def _window_half_width(config, num_blocks: int) -> int:
+    """Half the sliding window (blocks on each side of the diagonal), after checking it fits a row."""
+    if num_blocks < config.num_sliding_window_blocks:
+        raise ValueError(f"{type(config).__name__}: num_sliding_window_blocks="
+                         f"{config.num_sliding_window_blocks} exceeds the {num_blocks} blocks of a row.")
+    return config.num_sliding_window_blocks // 2
+
+
 class SparsityConfig:
     """Base class: number of heads, block size, and whether heads differ.
 
@@ -334,10 +342,7 @@ class BSLongformerSparsityConfig(SparsityConfig):
         self.attention = _check_attention(name, attention)
 
     def _head_layout(self, h, nb, rng):
-        if nb < self.num_sliding_window_blocks:
-            raise ValueError(f"{type(self).__name__}: num_sliding_window_blocks="
-                             f"{self.num_sliding_window_blocks} exceeds the {nb} blocks of a row.")
-        w = self.num_sliding_window_blocks // 2
+        w = _window_half_width(self, nb)
         out = _band(nb, w, w)
         for s, e in _global_spans(self.global_block_indices, self.global_block_end_indices, nb):
             out[s:e, :] = True
@@ -363,10 +368,7 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
         self.attention = _check_attention(name, attention)
 
     def _head_layout(self, h, nb, rng):
-        if nb < self.num_sliding_window_blocks:
-            raise ValueError(f"{type(self).__name__}: num_sliding_window_blocks="
-                             f"{self.num_sliding_window_blocks} exceeds the {nb} blocks of a row.")
-        w = self.num_sliding_window_blocks // 2
+        w = _window_half_width(self, nb)
         return _band(nb, w, 0 if self.attention == "unidirectional" else w)
 
 

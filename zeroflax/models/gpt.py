@@ -21,6 +21,9 @@ from zeroflax.config import configurable
 from zeroflax.sharding.layers import scan_layers
 
 
+ATTENTIONS = ("dense", "dot_product", "cudnn", "sparse")
+
+
 @configurable
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -31,7 +34,9 @@ class GPTConfig:
     d_ff: int | None = None  # default 4 * d_model
     max_len: int = 256
     tie_embeddings: bool = True
-    attention: str = "dense"  # 'dense' or 'sparse' (block-sparse, DeepSpeed layouts; needs `sparsity`)
+    # 'dense' (this file's, fp32 softmax), 'dot_product' (jax.nn.dot_product_attention, XLA's choice),
+    # 'cudnn' (its cuDNN flash attention, GPUs only), 'sparse' (block-sparse, DeepSpeed layouts; needs `sparsity`)
+    attention: str = "dense"
     sparsity: Any = None  # a zeroflax.kernels SparsityConfig, e.g. BigBirdSparsityConfig(num_heads=4)
 
     def __post_init__(self):
@@ -44,8 +49,9 @@ class GPTConfig:
             raise ConfigError("GPTConfig.num_heads", f"{self.num_heads} heads do not divide d_model {self.d_model}")
         if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff < 1):
             raise ConfigError("GPTConfig.d_ff", f"must be None (4 x d_model) or a positive integer, got {self.d_ff!r}")
-        if self.attention not in ("dense", "sparse"):
-            raise ConfigError("GPTConfig.attention", f"must be 'dense' or 'sparse', got {self.attention!r}")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError("GPTConfig.attention", f"unknown attention {self.attention!r}",
+                              f"use one of {', '.join(ATTENTIONS)}")
         if self.attention == "sparse":
             from zeroflax.kernels import SparsityConfig
             if not isinstance(self.sparsity, SparsityConfig):
@@ -70,8 +76,12 @@ class GPTConfig:
         return cls(**spec)
 
     def attention_fn(self) -> Callable:
+        """attention(q, k, v) on [batch, seq, heads, head_dim], causal."""
         if self.attention == "dense":
             return dense_causal_attention
+        if self.attention in ("dot_product", "cudnn"):
+            implementation = "cudnn" if self.attention == "cudnn" else None
+            return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
         from zeroflax.kernels import sparse_attention
         return functools.partial(sparse_attention, layout=self.sparsity, causal=True)
 

@@ -11,7 +11,8 @@ inside the loop body, so only the current layer's weights are ever whole on a de
 It is a `custom_vjp`, so the reduction is a reduce-scatter by construction, not whatever the
 partitioner infers, and it keeps no residual. Every remat policy below refuses to save the gathered
 weights (they carry the checkpoint name `zeroflax_gathered`): the backward pass gathers again,
-as ZeRO-3 does, instead of holding all layers' weights until the backward pass.
+as ZeRO-3 does, instead of holding all layers' weights until the backward pass. (That is why
+`Config` refuses remat 'none' with ZeRO-3: saving every intermediate would keep them.)
 
 Models call `scan_layers` for their stack of layers; outside the engine it is a plain (optionally
 rematerialised) scan, so the same model code runs anywhere.
@@ -35,7 +36,6 @@ class LayerContext:
     """What the engine tells model code while it traces the loss."""
 
     remat: str  # one of config.REMAT_POLICIES
-    stage3: bool
 
 
 _contexts: list[LayerContext] = []
@@ -67,7 +67,7 @@ def _all_gather(x, dim: int, axis: str):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def gather_for_compute(shard, dim: int, axis: str, compute_dtype):
     """All-gather a ZeRO-3 shard along `dim` over mesh axis `axis`, in `compute_dtype`."""
-    return checkpoint_name(_all_gather(shard.astype(compute_dtype), dim, axis), GATHERED_NAME)
+    return _all_gather(shard.astype(compute_dtype), dim, axis)
 
 
 def _gather_fwd(shard, dim, axis, compute_dtype):
@@ -115,18 +115,23 @@ def gather_layer(layer_params):
 
     def gather(leaf):
         if isinstance(leaf, ShardedLeaf):
-            return gather_for_compute(leaf.shard, leaf.dim, leaf.axis, leaf.compute_dtype)
+            # Named outside the custom_vjp, whose insides remat policies cannot see.
+            return checkpoint_name(gather_for_compute(leaf.shard, leaf.dim, leaf.axis, leaf.compute_dtype),
+                                   GATHERED_NAME)
         return leaf
 
     return jax.tree.map(gather, layer_params, is_leaf=lambda x: isinstance(x, ShardedLeaf))
 
 
-def remat_policy(name: str, stage3: bool):
-    """The jax.checkpoint policy for a named remat setting; None means no checkpointing."""
+def remat_policy(name: str):
+    """The jax.checkpoint policy for a named remat setting; None means no checkpointing.
+
+    None of them saves ZeRO-3's gathered weights (they are not matmul outputs), so the backward pass
+    gathers them again. ('none' under ZeRO-3 is refused by Config: saving everything would keep them.)
+    """
     policies = jax.checkpoint_policies
     if name == "none":
-        # Without ZeRO-3 nothing needs recomputing; with it, everything but the gathered weights is kept.
-        return policies.save_anything_except_these_names(GATHERED_NAME) if stage3 else None
+        return None
     return {
         "full": policies.nothing_saveable,
         "dots": policies.dots_saveable,
@@ -144,7 +149,7 @@ def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | 
     """
     ctx = current_context()
     name = remat if remat is not None else (ctx.remat if ctx is not None else "none")
-    policy = remat_policy(name, stage3=ctx is not None and ctx.stage3)
+    policy = remat_policy(name)
 
     def step(carry, inputs):
         layer, x = inputs
