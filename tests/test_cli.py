@@ -73,9 +73,16 @@ def test_checkpoint_restores_at_another_stage_and_device_count(tmp_path):
         np.testing.assert_array_equal(one_device[name], value)
 
 
-def test_generate_runs_on_one_cpu_device(tmp_path):
+SPARSE = {"GPTConfig.attention": "'sparse'", "GPTConfig.sparsity": "@BigBirdSparsityConfig()",
+          "BigBirdSparsityConfig.num_heads": 2, "BigBirdSparsityConfig.block": 8,
+          "BigBirdSparsityConfig.attention": "'unidirectional'"}
+
+
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
+def test_generate_runs_on_one_cpu_device(tmp_path, attention):
     workdir = tmp_path / "run"
-    result = run_cli("train", "--gin_file", TINY, *tiny_bindings(workdir, steps=2), "--no_progress")
+    extra = SPARSE if attention == "sparse" else {}
+    result = run_cli("train", "--gin_file", TINY, *tiny_bindings(workdir, steps=2, **extra), "--no_progress")
     assert result.returncode == 0, result.stderr
     generated = run_cli("generate", "--checkpoint", str(workdir), "--prompt", "The ", "--length", "20")
     assert generated.returncode == 0, generated.stderr

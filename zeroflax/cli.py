@@ -73,7 +73,7 @@ def cmd_generate(args) -> int:
     model = GPT(model_config)
     from zeroflax.adapters import unbox
     abstract, _ = unbox(jax.eval_shape(
-        lambda: model.init(jax.random.PRNGKey(0), jax.numpy.zeros((1, 1), "int32"))["params"]))
+        lambda: model.init(jax.random.PRNGKey(0), jax.numpy.zeros((1, model_config.max_len), "int32"))["params"]))
     device = jax.devices("cpu")[0]
     params = restore_params(directory, abstract, jax.sharding.SingleDeviceSharding(device), step)
     print(generate_text(model_config, params, args.prompt, args.length, args.temperature, args.seed))
