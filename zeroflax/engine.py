@@ -55,6 +55,11 @@ def _abstract(tree):
     return jax.tree.map(leaf, tree)
 
 
+def _floats_to(tree, dtype):
+    """Floating-point leaves cast to `dtype` (the compute dtype); integer leaves (tokens, labels) kept."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
 def _split_loss_output(out):
     if isinstance(out, tuple) and len(out) == 2:
         return out
@@ -101,8 +106,7 @@ class Engine:
         return jax.tree.map(prepare, self.plan.placements, params, is_leaf=_is_placement)
 
     def _cast_batch(self, batch):
-        dtype = self.config.compute_dtype
-        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, batch)
+        return _floats_to(batch, self.config.compute_dtype)
 
     def _local_grads(self, params, batch, rng, scale):
         """Per device (manual over `data`): loss and synchronised gradients of its micro-batches."""
@@ -226,9 +230,8 @@ class Engine:
         batch = self.put_batch(batch)
         if self._jit_eval is None:
             def eval_loss(params, batch):
-                cast = lambda tree: jax.tree.map(
-                    lambda x: x.astype(self.config.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-                loss, _ = _split_loss_output(self.loss_fn(cast(params), cast(batch), None))
+                dtype = self.config.compute_dtype
+                loss, _ = _split_loss_output(self.loss_fn(_floats_to(params, dtype), _floats_to(batch, dtype), None))
                 return loss.astype(jnp.float32)
             self._jit_eval = jax.jit(eval_loss, out_shardings=self.plan.replicated)
         return self._jit_eval(state.params, batch)

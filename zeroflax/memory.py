@@ -79,6 +79,10 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def _bytes(x) -> int:
+    return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+
+
 def theory_at_rest(stage: int, num_params: int, data_size: int, param_bytes: float, opt_bytes: float) -> float:
     params = param_bytes * num_params / (data_size if stage == 3 else 1)
     opt = opt_bytes * num_params / (data_size if stage >= 1 else 1)
@@ -95,8 +99,9 @@ def memory_report(engine, state, batch) -> MemoryReport:
     opt = shard_bytes(abstract.opt_state, shardings.opt_state)
     other = (shard_bytes(abstract.step, shardings.step) + shard_bytes(abstract.rng, shardings.rng)
              + shard_bytes(abstract.loss_scale, shardings.loss_scale))
-    batch_bytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch))
-    batch_bytes //= engine.data_size
+    # Host data is this process's rows of the batch; every device holds 1/data_size of the whole.
+    batch_bytes = sum(_bytes(x) * (1 if isinstance(x, jax.Array) else jax.process_count())
+                      for x in jax.tree.leaves(batch)) // engine.data_size
     # Stages 0-1 accumulate unreduced gradients in full; stages 2-3 hold one shard.
     with_data = engine.config.zero_stage >= 2
     grad_shardings = jax.tree.map(lambda p: jax.sharding.NamedSharding(plan.mesh, p.spec(with_data)),
@@ -104,8 +109,8 @@ def memory_report(engine, state, batch) -> MemoryReport:
     grads = shard_bytes(abstract.params, grad_shardings)
 
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-    full_params = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract.params))
-    full_opt = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract.opt_state))
+    full_params = sum(_bytes(x) for x in jax.tree.leaves(abstract.params))
+    full_opt = sum(_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
     return MemoryReport(
         stage=engine.config.zero_stage, data_size=engine.data_size, num_params=num_params,
         params=params, opt_state=opt, grad_buffer=grads, other_state=other, batch=batch_bytes,
