@@ -81,9 +81,12 @@ SPARSE = {"GPTConfig.attention": "'sparse'", "GPTConfig.sparsity": "@BigBirdSpar
 @pytest.mark.parametrize("attention", ["dense", "sparse"])
 def test_generate_runs_on_one_cpu_device(tmp_path, attention):
     workdir = tmp_path / "run"
-    extra = SPARSE if attention == "sparse" else {}
-    result = run_cli("train", "--gin_file", TINY, *tiny_bindings(workdir, steps=2, **extra), "--no_progress")
+    extra = dict(SPARSE if attention == "sparse" else {}, **{"TrainConfig.tensorboard": True})
+    result = run_cli("train", "--gin_file", TINY, *tiny_bindings(workdir, steps=2, **extra))
     assert result.returncode == 0, result.stderr
+    assert "step/s" in result.stderr or "s/step" in result.stderr  # the progress bar
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir / "tensorboard"))
+    assert sorted(losses(workdir)) == [1, 2]
     generated = run_cli("generate", "--checkpoint", str(workdir), "--prompt", "The ", "--length", "20")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("The ") and len(generated.stdout) >= 20
