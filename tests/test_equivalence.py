@@ -29,7 +29,9 @@ def relative_error(params, reference) -> float:
         assert leaf_error <= LEAF_TOL, f"leaf {b.shape} off by {leaf_error:.2e}"
     diff = sum(float(jnp.sum(jnp.square(a - b))) for a, b in pairs)
     norm = sum(float(jnp.sum(jnp.square(b))) for _, b in pairs)
-    return (diff / norm) ** 0.5
+    error = (diff / norm) ** 0.5
+    print(f"relative error {error:.2e}")  # shown with pytest -s
+    return error
 
 
 def reference_run(loss_fn, params, optimizer, batches):
