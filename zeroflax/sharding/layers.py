@@ -9,10 +9,10 @@ inside the loop body, so only the current layer's weights are ever whole on a de
   backward  reduce-scatter the weight's cotangent in the gradient dtype (fp32)
 
 It is a `custom_vjp`, so the reduction is a reduce-scatter by construction, not whatever the
-partitioner infers, and it keeps no residual. Every remat policy below refuses to save the gathered
-weights (they carry the checkpoint name `zeroflax_gathered`): the backward pass gathers again,
-as ZeRO-3 does, instead of holding all layers' weights until the backward pass. (That is why
-`Config` refuses remat 'none' with ZeRO-3: saving every intermediate would keep them.)
+partitioner infers, and it keeps no residual. No remat policy below saves the gathered weights
+(they are not matmul outputs): the backward pass gathers again, as ZeRO-3 does, instead of holding
+all layers' weights until the backward pass. (That is why `Config` refuses remat 'none' with
+ZeRO-3: without rematerialisation every layer's gathered weights would be kept.)
 
 Models call `scan_layers` for their stack of layers; outside the engine it is a plain (optionally
 rematerialised) scan, so the same model code runs anywhere.
@@ -26,9 +26,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-
-GATHERED_NAME = "zeroflax_gathered"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +112,7 @@ def gather_layer(layer_params):
 
     def gather(leaf):
         if isinstance(leaf, ShardedLeaf):
-            # Named outside the custom_vjp, whose insides remat policies cannot see.
-            return checkpoint_name(gather_for_compute(leaf.shard, leaf.dim, leaf.axis, leaf.compute_dtype),
-                                   GATHERED_NAME)
+            return gather_for_compute(leaf.shard, leaf.dim, leaf.axis, leaf.compute_dtype)
         return leaf
 
     return jax.tree.map(gather, layer_params, is_leaf=lambda x: isinstance(x, ShardedLeaf))
