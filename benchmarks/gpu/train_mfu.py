@@ -85,7 +85,7 @@ def is_oom(error: BaseException) -> bool:
 
 
 class DoesNotFit(MemoryError):
-    pass
+    """The compiled step needs more memory than the device has: retry with a smaller batch."""
 
 
 def memory_limit(device) -> int | None:

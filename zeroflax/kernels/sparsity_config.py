@@ -156,7 +156,9 @@ class SparsityConfig:
         return None
 
     def _head_layout(self, h: int, num_blocks: int, rng) -> np.ndarray:
-        raise NotImplementedError
+        # The base class names no pattern (as in DeepSpeed); use one of the subclasses below.
+        raise TypeError(f"{type(self).__name__} is the base class; use a subclass such as "
+                        "BigBirdSparsityConfig or FixedSparsityConfig")
 
     def to_dict(self) -> dict:
         """JSON-serialisable: the class name and the constructor arguments (see `sparsity_from_dict`)."""
