@@ -153,8 +153,8 @@ class Engine:
 
     def _sharded_grads(self, params, batch, rng, scale):
         plan = self.plan
-        in_specs = (plan.param_data_specs(), jax.tree.map(lambda _: P(DATA_AXIS), batch), P(), P())
-        out_specs = (plan.grad_data_specs(), P(), P())
+        in_specs = (plan.data_specs("params"), jax.tree.map(lambda _: P(DATA_AXIS), batch), P(), P())
+        out_specs = (plan.data_specs("grads"), P(), P())
         fn = jax.shard_map(self._local_grads, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                            axis_names={DATA_AXIS}, check_vma=False)
         return fn(params, batch, rng, scale)

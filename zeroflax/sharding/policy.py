@@ -163,13 +163,9 @@ class ShardingPlan:
         """Batch leaves are split over the data axis along their leading dimension."""
         return jax.tree.map(lambda _: NamedSharding(self.mesh, P(DATA_AXIS)), batch_tree)
 
-    def param_data_specs(self):
-        """shard_map specs of the parameters as they enter the loss (manual over `data`)."""
-        partitioned = ZERO_PARTITIONED[self.stage]["params"]
-        return jax.tree.map(lambda p: p.data_spec() if partitioned else P(), self.placements, is_leaf=_is_placement)
-
-    def grad_data_specs(self):
-        partitioned = ZERO_PARTITIONED[self.stage]["grads"]
+    def data_specs(self, state: str):
+        """shard_map specs (manual over `data`) of 'params' as they enter the loss, or of 'grads'."""
+        partitioned = ZERO_PARTITIONED[self.stage][state]
         return jax.tree.map(lambda p: p.data_spec() if partitioned else P(), self.placements, is_leaf=_is_placement)
 
 
@@ -177,8 +173,8 @@ def _sharding_tree(mesh, placements, with_data: bool):
     return jax.tree.map(lambda p: NamedSharding(mesh, p.spec(with_data)), placements, is_leaf=_is_placement)
 
 
-def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_state, abstract_params,
-                        placements, mesh: Mesh, config: Config, with_data: bool):
+def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_state, placements, mesh: Mesh,
+                        config: Config, with_data: bool):
     """Shardings of the optimizer state, derived from its abstract shape.
 
     Parameter-shaped parts (found with `optax.tree_map_params`, i.e. by position in the params
@@ -216,8 +212,7 @@ def make_plan(optimizer, abstract_params, logical_axes, mesh: Mesh, config: Conf
         placements=placements,
         params=_sharding_tree(mesh, placements, which["params"]),
         grads=_sharding_tree(mesh, placements, which["grads"]),
-        opt_state=opt_state_shardings(optimizer, abstract_opt, abstract_params, placements, mesh, config,
-                                      which["opt_state"]),
+        opt_state=opt_state_shardings(optimizer, abstract_opt, placements, mesh, config, which["opt_state"]),
     )
 
 
