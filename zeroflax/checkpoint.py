@@ -26,6 +26,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, empty, corrupt or incompatible; the message names it."""
 
 
+def _train_item(state) -> dict:
+    """The 'train' item of a TrainState (of arrays, or of their shardings): all but the parameters."""
+    return {"opt_state": state.opt_state, "loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
+
+
 def _abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
@@ -46,8 +51,8 @@ class Checkpointer:
 
     def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
         """Start saving (asynchronously); returns whether a checkpoint is being written at this step."""
-        train = {"opt_state": state.opt_state, "loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
-        args = ocp.args.Composite(params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(train),
+        args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
+                                  train=ocp.args.StandardSave(_train_item(state)),
                                   data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
         return self.manager.save(step, args=args, force=force)
 
@@ -57,12 +62,9 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
-        train = {"opt_state": state.opt_state, "loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
-        train_shardings = {"opt_state": shardings.opt_state, "loss_scale": shardings.loss_scale,
-                           "step": shardings.step, "rng": shardings.rng}
         args = ocp.args.Composite(
             params=ocp.args.StandardRestore(_abstract_with_shardings(state.params, shardings.params)),
-            train=ocp.args.StandardRestore(_abstract_with_shardings(train, train_shardings)),
+            train=ocp.args.StandardRestore(_abstract_with_shardings(_train_item(state), _train_item(shardings))),
             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         try:
             restored = self.manager.restore(step, args=args)
@@ -82,37 +84,33 @@ class Checkpointer:
         self.manager.close()
 
 
-def read_meta(directory: str, step: int | None = None) -> tuple[int, dict]:
-    """(step, meta) of the newest complete checkpoint (or `step`) in `directory`."""
+def _restore_items(directory: str, step: int | None, what: str, **items):
+    """(step, restored items) from a read-only view of `directory`; `what` names them in errors."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     manager = ocp.CheckpointManager(os.path.abspath(directory),
                                     options=ocp.CheckpointManagerOptions(read_only=True, create=False))
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"no complete checkpoint in {directory}")
     try:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    except Exception as error:
-        raise CheckpointError(f"corrupt or incomplete checkpoint: cannot read step {step} in {directory} "
-                              f"({type(error).__name__})") from error
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {directory}")
+        try:
+            return step, manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as error:  # orbax raises many types for a damaged directory
+            raise CheckpointError(f"corrupt or incompatible checkpoint: cannot restore the {what} of step {step} "
+                                  f"from {directory} ({type(error).__name__})") from error
     finally:
         manager.close()
-    return step, meta
+
+
+def read_meta(directory: str, step: int | None = None) -> tuple[int, dict]:
+    """(step, meta) of the newest complete checkpoint (or `step`) in `directory`."""
+    step, restored = _restore_items(directory, step, "metadata", meta=ocp.args.JsonRestore())
+    return step, restored["meta"]
 
 
 def restore_params(directory: str, abstract_params: Any, sharding, step: int | None = None):
     """Only the parameters, every leaf placed with `sharding` (e.g. one CPU device)."""
-    manager = ocp.CheckpointManager(os.path.abspath(directory),
-                                    options=ocp.CheckpointManagerOptions(read_only=True, create=False))
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"no complete checkpoint in {directory}")
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_params)
-    try:
-        return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
-    except Exception as error:
-        raise CheckpointError(f"corrupt or incompatible checkpoint: cannot restore the parameters of step {step} "
-                              f"from {directory} ({type(error).__name__})") from error
-    finally:
-        manager.close()
+    _, restored = _restore_items(directory, step, "parameters", params=ocp.args.StandardRestore(target))
+    return restored["params"]
