@@ -1,5 +1,8 @@
 """Small models for the tests: a Linen MLP with logical axis names, a Linen conv net, a plain pytree
-with dimensions that 8 does not divide, and an NNX MLP."""
+with dimensions that 8 does not divide, an NNX MLP, and a ResNet with BatchNorm."""
+import functools
+from typing import Any, Callable, Sequence
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -67,3 +70,55 @@ class NNXMLP(nnx.Module):
 
     def __call__(self, x):
         return self.l2(jnp.tanh(self.l1(x)))
+
+
+class ResNetBlock(nn.Module):
+    """A basic residual block in the style of flax/examples/imagenet/models.py: conv, norm and
+    activation are passed in, BatchNorm keeps running statistics in the `batch_stats` collection."""
+
+    filters: int
+    conv: Any
+    norm: Any
+    act: Callable
+    strides: tuple = (1, 1)
+
+    @nn.compact
+    def __call__(self, x):
+        residual = x
+        y = self.conv(self.filters, (3, 3), self.strides)(x)
+        y = self.act(self.norm()(y))
+        y = self.conv(self.filters, (3, 3))(y)
+        y = self.norm(scale_init=nn.initializers.zeros_init())(y)
+        if residual.shape != y.shape:
+            residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
+            residual = self.norm(name="norm_proj")(residual)
+        return self.act(residual + y)
+
+
+class ResNet(nn.Module):
+    """ResNet with BatchNorm, written the way Flax's ImageNet example writes it (`train` switches the
+    statistics between batch and running averages; the train step applies it with mutable=['batch_stats'])."""
+
+    stage_sizes: Sequence[int]
+    num_classes: int
+    num_filters: int = 64
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                                 dtype=self.dtype)
+        x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(x)
+        x = nn.relu(norm(name="bn_init")(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        for i, block_size in enumerate(self.stage_sizes):
+            for j in range(block_size):
+                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
+                x = ResNetBlock(self.num_filters * 2 ** i, conv=conv, norm=norm, act=nn.relu, strides=strides)(x)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
+
+
+def resnet18(num_classes: int = 10, num_filters: int = 64):
+    return ResNet(stage_sizes=(2, 2, 2, 2), num_classes=num_classes, num_filters=num_filters)

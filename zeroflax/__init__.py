@@ -1,11 +1,12 @@
 """zeroflax: DeepSpeed's memory-efficient training technology, natively in JAX/Flax."""
 from zeroflax.config import Config, ConfigError, LossScaleConfig, MeshConfig
 from zeroflax.engine import Engine, TrainState, initialize
-from zeroflax.sharding.layers import gather_layer, scan_layers
+from zeroflax.sharding.groups import group
+from zeroflax.sharding.layers import gather, gather_layer, scan_layers
 from zeroflax.adapters import nnx_split, unbox
 
 __all__ = [
     "Config", "ConfigError", "Engine", "LossScaleConfig", "MeshConfig", "TrainState",
-    "gather_layer", "initialize", "nnx_split", "scan_layers", "unbox",
+    "gather", "gather_layer", "group", "initialize", "nnx_split", "scan_layers", "unbox",
 ]
 __version__ = "0.1.0"

@@ -38,8 +38,11 @@ def nnx_split(model) -> tuple[Any, Callable]:
     """Parameters of an NNX module as a plain nested dict, and `apply(params, *args, **kwargs)`.
 
     `apply` rebuilds the module from the given parameters (its other state, e.g. batch statistics,
-    is kept as it was when split) and calls it, so it is a pure function of `params`.
+    is kept as it was when split) and calls it, so it is a pure function of `params`. Under the engine
+    its submodules run as ZeRO-3 gather groups and activation-checkpointing units (`sharding.groups`).
     """
+    from zeroflax.sharding.groups import nnx_groups
+
     from flax import nnx
 
     graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
@@ -49,6 +52,7 @@ def nnx_split(model) -> tuple[Any, Callable]:
         state = jax.tree.map(lambda x: x, params_state)  # a fresh container for this call
         nnx.replace_by_pure_dict(state, params_dict)
         module = nnx.merge(graphdef, state, rest)
+        nnx_groups(module)
         return module(*args, **kwargs)
 
     return params, apply

@@ -27,8 +27,12 @@ class CheckpointError(RuntimeError):
 
 
 def _train_item(state) -> dict:
-    """The 'train' item of a TrainState (of arrays, or of their shardings): all but the parameters."""
-    return {"opt_state": state.opt_state, "loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
+    """The 'train' item of a TrainState (of arrays, or of their shardings): all but the parameters.
+    Model state (e.g. BatchNorm statistics) is part of it when the model has any."""
+    item = {"opt_state": state.opt_state, "loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
+    if state.model_state is not None:
+        item["model_state"] = state.model_state
+    return item
 
 
 def _abstract_with_shardings(tree, shardings):
@@ -73,7 +77,7 @@ class Checkpointer:
                                   f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
         t = restored["train"]
         new_state = state.replace(params=restored["params"], opt_state=t["opt_state"], loss_scale=t["loss_scale"],
-                                  step=t["step"], rng=t["rng"])
+                                  step=t["step"], rng=t["rng"], model_state=t.get("model_state"))
         return new_state, restored["data"], restored["meta"]
 
     def wait(self) -> None:

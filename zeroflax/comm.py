@@ -9,7 +9,8 @@ R the bytes of the instruction's result and G the size of its replica group:
     collective-permute  R
 
 The theory of design.md section 4, with N the data-parallel size, b_g the gradient and b_c the
-compute dtype's bytes: stages 0-2 move 2 b_g Psi (N-1)/N, stage 3 (2 b_c + b_g) Psi (N-1)/N.
+compute dtype's bytes: stages 0-2 move 2 b_g Psi (N-1)/N, stage 3 (2 b_c + b_g) Psi (N-1)/N; with
+quantized weights (qwZ) b_c = 1 + b_scale/block (int8 elements, one compute-dtype scale per block).
 """
 from __future__ import annotations
 
@@ -76,14 +77,15 @@ def _per_device_bytes(kind: str, result_bytes: int, group: int) -> float:
 class Collective:
     kind: str
     computation: str
+    dtype: str  # element type of the result (16-bit floats are all-gathered as u16 bit patterns)
     result_bytes: int
     group_size: int
     trip_count: int
     bytes_per_step: float
 
 
-def parse_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective], bool]:
-    """All collectives in an HLO module with their per-step bytes; second value: any unknown trip count."""
+def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """({computation name: its instruction lines, in schedule order}, the ENTRY computation's name)."""
     body: dict[str, list[str]] = {}
     entry = None
     current = None
@@ -102,6 +104,12 @@ def parse_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective]
                 body[current].append(line)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
+    return body, entry
+
+
+def parse_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective], bool]:
+    """All collectives in an HLO module with their per-step bytes; second value: any unknown trip count."""
+    body, entry = split_computations(hlo_text)
 
     # How many times each computation runs per step: the sum over its call sites.
     multiplier: dict[str, int] = collections.defaultdict(int)
@@ -144,10 +152,12 @@ def parse_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective]
             if kind not in COLLECTIVES:
                 continue
             sizes = _array_bytes(result_type)
+            dtypes = [d for d, _ in _ARRAY.findall(result_type) if d in DTYPE_BYTES]
             # Async "-start" results are tuples (operands..., outputs...): the output is the last array.
             result_bytes = sizes[-1] if opcode.endswith("-start") else sum(sizes)
+            dtype = (dtypes[-1] if opcode.endswith("-start") else "/".join(sorted(set(dtypes)))) if dtypes else "?"
             group = _group_size(rest, num_devices)
-            collectives.append(Collective(kind, name, result_bytes, group, times,
+            collectives.append(Collective(kind, name, dtype, result_bytes, group, times,
                                           times * _per_device_bytes(kind, result_bytes, group)))
     return collectives, unknown_trip
 
@@ -157,9 +167,10 @@ class CommReport:
     stage: int
     data_size: int
     num_params: int
-    compute_bytes: int
+    compute_bytes: float  # bytes a gathered element travels in (1 + 2/block with qwZ)
     grad_bytes: int
     by_kind: dict  # kind -> {"count": instructions x trips, "bytes": per device per step}
+    by_dtype: dict  # kind -> {element type: bytes per device per step}
     total_bytes: float
     theory_bytes: float
     unknown_trip_count: bool
@@ -179,7 +190,8 @@ class CommReport:
                  f"Psi={self.num_params:,})",
                  f"  {'collective':<20}{'count':>8}{'MiB':>12}"]
         for kind, row in sorted(self.by_kind.items()):
-            lines.append(f"  {kind:<20}{row['count']:>8}{row['bytes'] / 2**20:>12.2f}")
+            split = ", ".join(f"{dtype} {b / 2**20:.2f}" for dtype, b in sorted(self.by_dtype.get(kind, {}).items()))
+            lines.append(f"  {kind:<20}{row['count']:>8}{row['bytes'] / 2**20:>12.2f}   {split}")
         lines.append(f"  {'total':<20}{'':>8}{self.total_bytes / 2**20:>12.2f}")
         lines.append(f"  {'theory':<20}{'':>8}{self.theory_bytes / 2**20:>12.2f}   ratio {self.ratio:.3f}")
         if self.unknown_trip_count:
@@ -187,7 +199,7 @@ class CommReport:
         return "\n".join(lines)
 
 
-def theory_bytes(stage: int, num_params: int, data_size: int, compute_bytes: int, grad_bytes: int) -> float:
+def theory_bytes(stage: int, num_params: int, data_size: int, compute_bytes: float, grad_bytes: int) -> float:
     share = (data_size - 1) / data_size
     if stage == 3:
         return (2 * compute_bytes + grad_bytes) * num_params * share
@@ -198,16 +210,21 @@ def comm_report(engine, state, batch) -> CommReport:
     compiled = engine.compile(state, batch)
     collectives, unknown = parse_collectives(compiled.as_text(), engine.mesh.size)
     by_kind: dict = {}
+    by_dtype: dict = {}
     for c in collectives:
         row = by_kind.setdefault(c.kind, {"count": 0, "bytes": 0.0})
         row["count"] += c.trip_count
         row["bytes"] += c.bytes_per_step
+        split = by_dtype.setdefault(c.kind, {})
+        split[c.dtype] = split.get(c.dtype, 0.0) + c.bytes_per_step
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(engine.abstract_params))
     compute = np.dtype(engine.config.compute_dtype).itemsize
+    if engine.config.quantized_weights:  # qwZ: one int8 per element plus a scale (compute dtype) per block
+        compute = 1 + compute / engine.config.quantization_block
     grad = max(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(engine.abstract_params))  # master dtype
     total = sum(c.bytes_per_step for c in collectives)
     return CommReport(
         stage=engine.config.zero_stage, data_size=engine.data_size, num_params=num_params,
-        compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, total_bytes=total,
+        compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, by_dtype=by_dtype, total_bytes=total,
         theory_bytes=theory_bytes(engine.config.zero_stage, num_params, engine.data_size, compute, grad),
         unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives])

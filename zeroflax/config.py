@@ -148,6 +148,15 @@ class Config:
     remat: activation checkpointing of each scanned layer: 'none', 'full' (save nothing),
         'dots' (save matmul outputs), 'dots_no_batch' (save matmul outputs without batch dims).
         With zero_stage 3, 'none' is refused: it would keep every layer's gathered weights.
+    prefetch_bucket_size: ZeRO-3 gather groups (DeepSpeed's stage3_prefetch_bucket_size, in parameter
+        elements): a module whose parameters number at most this is gathered as one group, its
+        submodules with it; bigger modules are split into their submodules.
+    max_live_parameters: the most parameter elements gathered at once (DeepSpeed's
+        stage3_max_live_parameters): the next group's gather is issued while the current group computes
+        (prefetch) only if both fit in it; 0 never prefetches.
+    quantized_weights: ZeRO++ qwZ: ZeRO-3 gathers move int8 blocks with one scale each, dequantized on
+        arrival to the compute dtype; master weights and gradients stay fp32.
+    quantization_block: elements per int8 block (and per scale) for quantized_weights.
     logical_rules: logical axis name -> mesh axis name (or None), for leaves that carry logical names.
     seed: seeds the per-step rng handed to the loss function.
     """
@@ -161,6 +170,10 @@ class Config:
     grad_clip: float = 0.0
     persistence_threshold: int = 100_000
     remat: str = "full"
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    quantized_weights: bool = False
+    quantization_block: int = 256
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
     logical_rules: tuple = DEFAULT_LOGICAL_RULES
     seed: int = 0
@@ -190,6 +203,16 @@ class Config:
         _require(not (self.zero_stage == 3 and self.remat == "none"), "Config.remat",
                  "'none' with zero_stage 3 would keep every layer's gathered weights until the backward pass",
                  "use 'dots' (saves all matmul outputs, the closest to no remat) or 'full'")
+        _require(_is_int(self.prefetch_bucket_size) and self.prefetch_bucket_size >= 0, "Config.prefetch_bucket_size",
+                 f"must be an integer >= 0 (parameter elements per gather group), got {self.prefetch_bucket_size!r}")
+        _require(_is_int(self.max_live_parameters) and self.max_live_parameters >= 0, "Config.max_live_parameters",
+                 f"must be an integer >= 0 (0: never prefetch), got {self.max_live_parameters!r}")
+        _require(isinstance(self.quantized_weights, bool), "Config.quantized_weights",
+                 f"must be True or False, got {self.quantized_weights!r}")
+        _require(not (self.quantized_weights and self.zero_stage != 3), "Config.quantized_weights",
+                 f"quantizes ZeRO-3's parameter gathers, but zero_stage is {self.zero_stage}", "set zero_stage = 3")
+        _require(_is_int(self.quantization_block) and 16 <= self.quantization_block <= 65536,
+                 "Config.quantization_block", f"must be an integer in [16, 65536], got {self.quantization_block!r}")
         _require(_is_int(self.seed), "Config.seed", f"must be an integer, got {self.seed!r}")
         rules = tuple(tuple(rule) for rule in self.logical_rules)
         for rule in rules:

@@ -5,7 +5,11 @@ shardings of the `ShardingPlan` and the state donated. Its parts:
 
   1. local gradients: a `shard_map` that is manual over the `data` axis (other axes stay automatic,
      so tensor slicing composes). Each device runs the loss on its micro-batches; ZeRO-3 parameters
-     are gathered just in time (`sharding.layers`); gradients are synchronised by `ZeroGradSync`.
+     are gathered just in time: per module (`sharding.groups`: Flax modules, `zeroflax.group` blocks),
+     per layer (`scan_layers`, `nn.scan`) or at the point of use (`zeroflax.gather`); a leaf the loss
+     uses as a plain array is gathered on entry (found by a probe trace, `Engine.gather_usage`).
+     Model state (Flax collections besides `params`, e.g. BatchNorm statistics) is threaded through
+     the micro-batches and averaged over `data`. Gradients are synchronised by `ZeroGradSync`.
   2. the update, in the global view: unscale (fp16), skip on overflow, clip, `optimizer.update` on
      each device's shard (stages 1-3), then the parameters go back to their at-rest sharding
      (stages 1-2: an all-gather of the updated shards).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -27,7 +32,8 @@ from zeroflax.adapters import unbox
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_loss_scale
 from zeroflax.sharding.grad_sync import ZeroGradSync
-from zeroflax.sharding.layers import LayerContext, ShardedLeaf, gather_for_compute, layer_context
+from zeroflax.sharding.groups import loss_scope
+from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute
 from zeroflax.sharding.mesh import DATA_AXIS, build_mesh
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, make_plan
 
@@ -39,6 +45,7 @@ class TrainState:
     opt_state: Any
     loss_scale: LossScaleState
     rng: jax.Array  # uint32[2] base key; step and device are folded in
+    model_state: Any = None  # Flax collections besides params (e.g. batch_stats): replicated, or None
 
 
 def _is_placement(x) -> bool:
@@ -66,11 +73,15 @@ def _split_loss_output(out):
     return out, None
 
 
+def _all_leaves(tree) -> set:
+    return set(range(len(jax.tree.leaves(tree))))
+
+
 class Engine:
     """Holds the mesh, the sharding plan and the compiled step; see `initialize`."""
 
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation, config: Config,
-                 plan: ShardingPlan, abstract_params, train_batch_size: int):
+                 plan: ShardingPlan, abstract_params, train_batch_size: int, has_model_state: bool = False):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config
@@ -79,36 +90,119 @@ class Engine:
         self.data_size = self.mesh.shape[DATA_AXIS]
         self.train_batch_size = train_batch_size
         self.abstract_params = abstract_params
+        self.has_model_state = has_model_state
+        # Filled in when the step is first traced: what the probe found (which ZeRO-3 leaves the loss
+        # gathers itself) and what the real trace did (groups, regions); see `gather_usage`.
+        self._probe_usage: GatherUsage | None = None
+        self.gather_usage: GatherUsage | None = None
         self.grad_sync = ZeroGradSync(config.zero_stage, plan.placements)
         self.state_shardings = TrainState(
             step=plan.replicated, params=plan.params, opt_state=plan.opt_state,
             loss_scale=jax.tree.map(lambda _: plan.replicated, init_loss_scale(config.loss_scale, False)),
-            rng=plan.replicated)
+            rng=plan.replicated, model_state=plan.replicated if has_model_state else None)
         self._jit_step = None
         self._jit_eval = None
         self._compiled: dict = {}
 
     # ----------------------------------------------------------------------------- local gradients
-    def _params_for_compute(self, params):
-        """Inside shard_map: turn at-rest parameters into what the loss sees (compute dtype)."""
-        dtype = self.config.compute_dtype
-        stage3 = self.config.zero_stage == 3
+    def _params_for_compute(self, params, point_of_use: set):
+        """Inside shard_map: turn at-rest parameters into what the loss sees (compute dtype).
 
-        def prepare(placement: LeafPlacement, leaf):
+        At ZeRO-3 a partitioned leaf reaches the loss as a `ShardedLeaf` handle when it is gathered
+        where it is used (`point_of_use`: leaf indices, and every stack of layers); any other leaf is
+        gathered here, on entry.
+        """
+        config = self.config
+        dtype = config.compute_dtype
+        stage3 = config.zero_stage == 3
+        block = config.quantization_block if config.quantized_weights else 0
+        placements = jax.tree.leaves(self.plan.placements, is_leaf=_is_placement)
+        leaves, treedef = jax.tree.flatten(params)
+
+        def prepare(index, placement: LeafPlacement, leaf):
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 return leaf
             if stage3 and placement.zero_dim is not None:
-                if placement.stacked:  # gathered layer by layer inside scan_layers
-                    return ShardedLeaf(leaf, placement.zero_dim - 1, DATA_AXIS, dtype)
-                return gather_for_compute(leaf, placement.zero_dim, DATA_AXIS, dtype)
+                dim = placement.zero_dim - 1 if placement.stacked else placement.zero_dim
+                if placement.stacked or index in point_of_use:
+                    shape = placement.shape[1:] if placement.stacked else placement.shape
+                    return ShardedLeaf(leaf, dim, DATA_AXIS, dtype, tuple(shape), index, block)
+                return gather_for_compute(leaf, dim, DATA_AXIS, dtype, block)
             return leaf.astype(dtype)
 
-        return jax.tree.map(prepare, self.plan.placements, params, is_leaf=_is_placement)
+        return jax.tree.unflatten(treedef, [prepare(i, p, x) for i, (p, x) in enumerate(zip(placements, leaves))])
 
     def _cast_batch(self, batch):
         return _floats_to(batch, self.config.compute_dtype)
 
-    def _local_grads(self, params, batch, rng, scale):
+    def _context(self, usage: GatherUsage) -> LayerContext:
+        config = self.config
+        return LayerContext(remat=config.remat, bucket=config.prefetch_bucket_size,
+                            max_live=config.max_live_parameters, usage=usage)
+
+    def _call_loss(self, params, batch, rng, model_state):
+        """(loss, aux, new model state) of the user's loss on one micro-batch."""
+        if self.has_model_state:
+            out, new_state = self.loss_fn(params, batch, rng, model_state)
+        else:
+            out, new_state = self.loss_fn(params, batch, rng), None
+        loss, aux = _split_loss_output(out)
+        return loss, aux, new_state
+
+    def _point_of_use(self) -> set:
+        usage = self._probe_usage
+        if usage is None or usage.failed:
+            return set()
+        return usage.gathered - usage.raw
+
+    @property
+    def probe_usage(self) -> GatherUsage | None:
+        """What the probe trace found (groups and their sizes, leaves gathered where used); None
+        before the step is first traced."""
+        return self._probe_usage
+
+    def gathered_on_entry(self) -> list[str]:
+        """Paths of the ZeRO-3 partitioned leaves that are gathered on entry (the loss uses them
+        outside any group, scan or zeroflax.gather), once the step has been traced."""
+        point_of_use = self._point_of_use()
+        paths = jax.tree_util.tree_flatten_with_path(self.plan.placements, is_leaf=_is_placement)[0]
+        return [jax.tree_util.keystr(path) for index, (path, placement) in enumerate(paths)
+                if placement.zero_dim is not None and not placement.stacked and index not in point_of_use]
+
+    def _probe(self, params, batch, model_state):
+        """Trace the loss once (abstractly) with every ZeRO-3 leaf as a handle, to learn which leaves it
+        gathers itself (Flax modules, groups, scans, zeroflax.gather) and whether Config.remat applies
+        anywhere. Leaves it uses as plain arrays are then gathered on entry, as are all of them if the
+        loss cannot run on handles at all."""
+        usage = GatherUsage(probe=True)
+        first = jax.tree.map(lambda x: x[: x.shape[0] // self.config.grad_accum_steps], batch)  # one micro-batch
+
+        def local(params, batch, model_state):
+            with loss_scope(self._context(usage)):
+                p = self._params_for_compute(params, _all_leaves(params))
+                loss, _, _ = self._call_loss(p, self._cast_batch(batch), jax.random.PRNGKey(0), model_state)
+            return loss
+
+        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(self.plan.data_specs("params"), P(DATA_AXIS), P()),
+                           out_specs=P(), axis_names={DATA_AXIS}, check_vma=False)
+        try:
+            jax.eval_shape(fn, abstract(params), abstract(first), abstract(model_state))
+        except Exception as error:  # the real trace, with entry gathers, reports genuine errors
+            usage.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            if self.config.zero_stage == 3:
+                warnings.warn(f"zeroflax: the loss cannot run on ZeRO-3 parameter handles ({usage.failed}); every "
+                              "parameter is gathered on entry instead of where it is used. A stack of layers "
+                              "run by nn.scan needs the logical name 'layers' on its stacked dimension of every "
+                              "leaf above Config.persistence_threshold", stacklevel=4)
+        if self.config.remat != "none" and usage.remat_regions == 0 and not usage.failed:
+            warnings.warn(
+                f"Config.remat={self.config.remat!r} applies to nothing in this loss: it has no Flax module, "
+                "zeroflax.group block or scanned layers to checkpoint, so all activations are kept (set "
+                "Config.remat='none' to say so, or mark blocks with zeroflax.group)", stacklevel=3)
+        return usage
+
+    def _local_grads(self, params, batch, rng, scale, model_state):
         """Per device (manual over `data`): loss and synchronised gradients of its micro-batches."""
         config = self.config
         accum = config.grad_accum_steps
@@ -116,48 +210,57 @@ class Engine:
         device_rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))
         # The loss of the whole step is the mean over all data-parallel micro-batches.
         weight = 1.0 / (self.data_size * accum)
-        ctx = LayerContext(remat=config.remat)
+        usage = GatherUsage()
+        self.gather_usage = usage
+        ctx = self._context(usage)
+        point_of_use = self._point_of_use()
 
-        def micro_grads(micro_batch, micro_rng):
+        def micro_grads(micro_batch, micro_rng, state):
             def scaled_loss(p):
-                with layer_context(ctx):
-                    loss, aux = _split_loss_output(
-                        self.loss_fn(self._params_for_compute(p), self._cast_batch(micro_batch), micro_rng))
+                with loss_scope(ctx):
+                    loss, aux, new_state = self._call_loss(
+                        self._params_for_compute(p, point_of_use), self._cast_batch(micro_batch), micro_rng, state)
                 loss = loss.astype(jnp.float32)
-                return loss * (scale * weight), (loss, aux)
+                return loss * (scale * weight), (loss, aux, new_state)
 
-            grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params)
-            return self.grad_sync.per_microbatch(grads), loss, aux
+            grads, (loss, aux, new_state) = jax.grad(scaled_loss, has_aux=True)(params)
+            return self.grad_sync.per_microbatch(grads), loss, aux, new_state
 
         if accum == 1:
-            grads, loss, aux = micro_grads(jax.tree.map(lambda x: x[0], micro), device_rng)
+            grads, loss, aux, model_state = micro_grads(jax.tree.map(lambda x: x[0], micro), device_rng, model_state)
         else:
-            shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro), device_rng)
+            shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro), device_rng, model_state)
 
             def body(carry, inputs):
-                grad_acc, loss_acc, aux_acc = carry
+                grad_acc, loss_acc, aux_acc, state = carry
                 micro_batch, index = inputs
-                grads, loss, aux = micro_grads(micro_batch, jax.random.fold_in(device_rng, index))
+                grads, loss, aux, state = micro_grads(micro_batch, jax.random.fold_in(device_rng, index), state)
                 add = lambda a, b: jax.tree.map(jnp.add, a, b)
-                return (add(grad_acc, grads), loss_acc + loss, add(aux_acc, aux)), None
+                return (add(grad_acc, grads), loss_acc + loss, add(aux_acc, aux), state), None
 
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            (grads, loss, aux), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:3])
+            (grads, loss, aux, model_state), _ = jax.lax.scan(
+                body, (*zeros, model_state), (micro, jnp.arange(accum)))
             loss = loss / accum
             aux = jax.tree.map(lambda a: a / accum, aux)
         grads = self.grad_sync.final(grads)
         grads = jax.tree.map(lambda g: g / scale, grads)
         loss = jax.lax.pmean(loss, DATA_AXIS)
         aux = jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux)
-        return grads, loss, aux
+        # Every device (and so every checkpoint) holds the same model state: the mean over `data`.
+        model_state = jax.tree.map(
+            lambda x: jax.lax.pmean(x, DATA_AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, model_state)
+        return grads, loss, aux, model_state
 
-    def _sharded_grads(self, params, batch, rng, scale):
+    def _sharded_grads(self, params, batch, rng, scale, model_state):
         plan = self.plan
-        in_specs = (plan.data_specs("params"), jax.tree.map(lambda _: P(DATA_AXIS), batch), P(), P())
-        out_specs = (plan.data_specs("grads"), P(), P())
+        if self._probe_usage is None:
+            self._probe_usage = self._probe(params, batch, model_state)
+        in_specs = (plan.data_specs("params"), jax.tree.map(lambda _: P(DATA_AXIS), batch), P(), P(), P())
+        out_specs = (plan.data_specs("grads"), P(), P(), P())
         fn = jax.shard_map(self._local_grads, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                            axis_names={DATA_AXIS}, check_vma=False)
-        return fn(params, batch, rng, scale)
+        return fn(params, batch, rng, scale, model_state)
 
     # ------------------------------------------------------------------------------- train step
     def _train_step(self, state: TrainState, batch):
@@ -166,7 +269,7 @@ class Engine:
         dynamic_scaling = fp16 and config.loss_scale.loss_scale == 0
         rng = jax.random.fold_in(state.rng, state.step)
         scale = state.loss_scale.scale
-        grads, loss, aux = self._sharded_grads(state.params, batch, rng, scale)
+        grads, loss, aux, model_state = self._sharded_grads(state.params, batch, rng, scale, state.model_state)
         grads = jax.lax.with_sharding_constraint(grads, plan.grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) if fp16 else jnp.asarray(True)
@@ -185,7 +288,7 @@ class Engine:
             params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         loss_scale = update_loss_scale(state.loss_scale, ~finite, config.loss_scale, dynamic_scaling)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                               loss_scale=loss_scale, rng=state.rng)
+                               loss_scale=loss_scale, rng=state.rng, model_state=model_state)
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": ~finite}
         if aux is not None:
             metrics["aux"] = aux
@@ -226,15 +329,18 @@ class Engine:
         return self._step_fn(batch)(state, batch)
 
     def evaluate(self, state: TrainState, batch) -> jax.Array:
-        """The mean loss on `batch` with the current parameters (forward only, compute dtype)."""
+        """The mean loss on `batch` with the current parameters (forward only, compute dtype).
+
+        The loss gets rng None (its cue for inference mode) and, with model state, the current state,
+        whose update it returns is discarded: evaluation uses the statistics, never changes them."""
         batch = self.put_batch(batch)
         if self._jit_eval is None:
-            def eval_loss(params, batch):
+            def eval_loss(params, batch, model_state):
                 dtype = self.config.compute_dtype
-                loss, _ = _split_loss_output(self.loss_fn(_floats_to(params, dtype), _floats_to(batch, dtype), None))
+                loss, _, _ = self._call_loss(_floats_to(params, dtype), _floats_to(batch, dtype), None, model_state)
                 return loss.astype(jnp.float32)
             self._jit_eval = jax.jit(eval_loss, out_shardings=self.plan.replicated)
-        return self._jit_eval(state.params, batch)
+        return self._jit_eval(state.params, batch, state.model_state)
 
     # ----------------------------------------------------------------------------- compile-only
     def compile(self, state, batch):
@@ -257,19 +363,44 @@ class Engine:
         return comm_report(self, state, batch)
 
 
+def _split_variables(tree, collections: tuple):
+    """(params, model state) of a Flax variables dict; (tree, None) without model-state collections."""
+    if not collections:
+        return tree, None
+    if not hasattr(tree, "keys") or "params" not in tree:
+        raise ConfigError("model_state", f"names collections {collections}, so params (or the init function's "
+                          "result) must be a Flax variables dict with a 'params' entry",
+                          "pass model.init(...) whole, not model.init(...)['params']")
+    missing = [c for c in collections if c not in tree]
+    if missing:
+        raise ConfigError("model_state", f"collections {missing} are not among the variables {list(tree.keys())}",
+                          "name only collections the model creates, e.g. ('batch_stats',)")
+    return tree["params"], {c: tree[c] for c in collections}
+
+
 def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformation, config: Config, *,
-               sample_batch=None, logical_axes=None, devices=None, rng=None) -> tuple[Engine, TrainState]:
+               sample_batch=None, logical_axes=None, devices=None, rng=None,
+               model_state: tuple[str, ...] = ()) -> tuple[Engine, TrainState]:
     """Build the engine and the initial, already partitioned, train state.
 
     loss_fn(params, batch, rng) -> loss or (loss, aux): mean loss over `batch` (one micro-batch).
+        With `model_state`: loss_fn(params, batch, rng, state) -> (loss or (loss, aux), new_state),
+        where state is {collection: tree} (Flax: `model.apply({'params': params, **state}, ...,
+        mutable=list(state))` returns exactly that pair). rng is None in `Engine.evaluate`.
     params: a pytree of arrays (Flax partitioning boxes allowed), or an init function
         `init(rng, sample_batch)` (or `init(rng)` without `sample_batch`) that is run under jit with
         the plan's output shardings, so parameters are created partitioned, never whole on one device.
     optimizer: any optax GradientTransformation; its state's sharding follows the params'.
     logical_axes: optional tree (params structure) of per-leaf logical axis names, for plain pytrees.
+    model_state: names of Flax collections besides 'params' that the loss reads and updates (e.g.
+        ('batch_stats',)); `params` is then the whole variables dict. The state is replicated, averaged
+        over the data axis after every step, checkpointed with the rest, and kept in TrainState.model_state.
     """
     if not isinstance(config, Config):
         raise ConfigError("config", f"expected zeroflax.Config, got {type(config).__name__}")
+    if isinstance(model_state, str):
+        model_state = (model_state,)
+    collections = tuple(model_state)
     mesh = build_mesh(config.mesh, devices)
     train_batch_size = config.resolve_train_batch(mesh.shape[DATA_AXIS])
     base_rng = jax.random.PRNGKey(config.seed) if rng is None else rng
@@ -278,20 +409,28 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
     if callable(params):
         init_args = (init_rng,) if sample_batch is None else (init_rng, sample_batch)
         init_fn = params
-        abstract_params, names = unbox(jax.eval_shape(init_fn, *init_args))
+        abstract_tree, _ = _split_variables(jax.eval_shape(init_fn, *init_args), collections)
+        abstract_params, names = unbox(abstract_tree)
     else:
+        params, state_tree = _split_variables(params, collections)
         params, names = unbox(params)
         abstract_params = _abstract(params)
     if logical_axes is not None:
         names = logical_axes
     plan = make_plan(optimizer, abstract_params, names, mesh, config)
-    engine = Engine(loss_fn, optimizer, config, plan, abstract_params, train_batch_size)
+    engine = Engine(loss_fn, optimizer, config, plan, abstract_params, train_batch_size,
+                    has_model_state=bool(collections))
 
+    state_sharding = plan.replicated if collections else None
     if callable(params):
-        init_params = jax.jit(lambda *args: unbox(init_fn(*args))[0], out_shardings=plan.params)(*init_args)
+        def init_all(*args):
+            tree, state_tree = _split_variables(init_fn(*args), collections)
+            return unbox(tree)[0], (unbox(state_tree)[0] if collections else None)
+        init_params, init_state = jax.jit(init_all, out_shardings=(plan.params, state_sharding))(*init_args)
     else:
         # A fresh copy: the step donates its state, and the caller keeps their arrays.
-        init_params = jax.jit(lambda tree: tree, out_shardings=plan.params)(params)
+        init_params, init_state = jax.jit(lambda tree, st: (tree, st), out_shardings=(plan.params, state_sharding))(
+            params, unbox(state_tree)[0] if collections else None)
     opt_state = jax.jit(optimizer.init, out_shardings=plan.opt_state)(init_params)
     state = TrainState(
         step=jnp.asarray(0, jnp.int32),
@@ -299,6 +438,7 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
         opt_state=opt_state,
         loss_scale=init_loss_scale(config.loss_scale, config.precision == "fp16"),
         rng=step_rng,
+        model_state=init_state,
     )
     state = jax.device_put(state, engine.state_shardings)
     return engine, state

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
 
+from zeroflax.sharding.groups import GROUP_SCOPE, GROUP_SCOPE_END
 from zeroflax.sharding.policy import shard_bytes
 
 
@@ -37,6 +39,12 @@ class MemoryReport:
     temp: int
     alias: int
     theory_at_rest: float
+    # ZeRO-3's gathered weights (stage 3; zeros and empty otherwise), see `gathered_weights_at_peak`:
+    gathered_peak: int = 0  # most bytes of gathered weights alive at once
+    gathered_by_group: dict = dataclasses.field(default_factory=dict)  # those bytes by gather group
+    gathered_wide_copies: int = 0  # wider (fp32) copies of them alive then (XLA:CPU's bf16 matmuls)
+    groups: dict = dataclasses.field(default_factory=dict)  # gather group -> parameter elements
+    gathered_on_entry: list = dataclasses.field(default_factory=list)  # leaves the loss uses unhandled
 
     @property
     def at_rest(self) -> int:
@@ -76,6 +84,18 @@ class MemoryReport:
         lines += [f"  {name:<28}{mib(value)}" for name, value in rows]
         lines.append(f"  {'model states at rest':<28}{mib(self.at_rest)}   theory {self.theory_at_rest / 2**20:.2f} MiB,"
                      f" ratio {self.ratio:.3f}")
+        if self.stage == 3:
+            by_group = ", ".join(f"{g} {b / 2**20:.2f}" for g, b in sorted(self.gathered_by_group.items()))
+            lines.append(f"  {'gathered weights at peak':<28}{mib(self.gathered_peak)}   {by_group}")
+            if self.gathered_wide_copies:
+                lines.append(f"  {'  + their fp32 copies':<28}{mib(self.gathered_wide_copies)}   (XLA:CPU widens bf16 matmuls)")
+            if self.groups:
+                largest = sorted(self.groups.values(), reverse=True)[:2]
+                lines.append(f"  gather groups: {len(self.groups)}, the two largest {largest[0]:,}"
+                             + (f" and {largest[1]:,}" if len(largest) > 1 else "") + " parameters")
+            if self.gathered_on_entry:
+                shown = ", ".join(self.gathered_on_entry[:6]) + (" ..." if len(self.gathered_on_entry) > 6 else "")
+                lines.append(f"  gathered on entry (used outside any group, scan or zeroflax.gather): {shown}")
         return "\n".join(lines)
 
 
@@ -110,6 +130,11 @@ def memory_report(engine, state, batch) -> MemoryReport:
 
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
     full_params = sum(_bytes(x) for x in jax.tree.leaves(abstract.params))
+    gathered = {}
+    if engine.config.zero_stage == 3:
+        peak, by_group, wide = gathered_weights_at_peak(compiled.as_text(), np.dtype(engine.config.compute_dtype).itemsize)
+        gathered = dict(gathered_peak=peak, gathered_by_group=by_group, gathered_wide_copies=wide,
+                        groups=dict(engine.probe_usage.groups), gathered_on_entry=engine.gathered_on_entry())
     full_opt = sum(_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
     return MemoryReport(
         stage=engine.config.zero_stage, data_size=engine.data_size, num_params=num_params,
@@ -117,4 +142,80 @@ def memory_report(engine, state, batch) -> MemoryReport:
         argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
         temp=stats.temp_size_in_bytes, alias=stats.alias_size_in_bytes,
         theory_at_rest=theory_at_rest(engine.config.zero_stage, num_params, engine.data_size,
-                                      full_params / num_params, full_opt / num_params))
+                                      full_params / num_params, full_opt / num_params), **gathered)
+
+
+# ------------------------------------------------------------------ gathered weights in the schedule
+_VALUE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_GROUP = re.compile(re.escape(GROUP_SCOPE) + r"(.*?)" + re.escape(GROUP_SCOPE_END))
+# Instructions whose result is another view of their operand (no buffer of their own).
+_ALIASES = {"bitcast", "get-tuple-element", "tuple", "parameter", "all-gather-done", "copy-done", "optimization-barrier"}
+# Ops that turn a gathered weight into the same weight in another type or layout.
+_SAME_WEIGHT = {"fusion", "convert", "bitcast-convert", "copy", "transpose", "reshape"}
+
+
+def _elements(type_text: str) -> int:
+    from zeroflax.comm import _ARRAY
+    return sum(int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+               for _, dims in _ARRAY.findall(type_text))
+
+
+def gathered_weights_at_peak(hlo_text: str, compute_bytes: int) -> tuple[int, dict, int]:
+    """(the most bytes of gathered ZeRO-3 weights alive at once in the compiled step, those bytes by
+    group, and the bytes of wider copies of them alive at that point).
+
+    For each computation of the scheduled HLO (the entry and every loop body on its own), a value is
+    live from its instruction to its last use; gathered weights are the results of all-gathers and
+    of the conversions that copy them whole (dequantisation, bitcasts, casts). Groups are read from
+    the `zeroflax_group[...]` scope in the all-gathers' metadata ('(no group)' for gathers on entry
+    or in scanned layers). Copies wider than the compute dtype (XLA:CPU has no bf16 matrix multiply
+    and widens its operands to fp32; GPUs do not) are counted apart, as the third value. An estimate
+    from the schedule's order, not XLA's buffer assignment.
+    """
+    from zeroflax.comm import DTYPE_BYTES, _ARRAY, _array_bytes, split_computations
+
+    best, best_groups, best_wide = 0, {}, 0
+    for lines in split_computations(hlo_text)[0].values():
+        order, size, elements, owner, source, last, wide = [], {}, {}, {}, {}, {}, set()
+        for index, line in enumerate(lines):
+            match = _VALUE.match(line)
+            if not match:
+                continue
+            name, type_text, opcode, rest = match.groups()
+            operands = [o for o in _OPERAND.findall(rest.split("metadata=")[0]) if o in source]
+            for o in operands:
+                last[source[o]] = index
+            source[name] = source[operands[0]] if opcode in _ALIASES and operands else name
+            if source[name] != name:
+                continue
+            order.append((index, name))
+            last[name] = index
+            sizes = _array_bytes(type_text)
+            size[name] = sizes[-1] if opcode.endswith("-start") else sum(sizes)  # async: the output
+            elements[name] = _elements(type_text.rsplit("(", 1)[0] if not opcode.endswith("-start")
+                                       else type_text.rsplit(",", 1)[-1])
+            if opcode in ("all-gather", "all-gather-start"):
+                group = _GROUP.search(line)
+                owner[name] = group.group(1) if group else "(no group)"
+            elif opcode in _SAME_WEIGHT:
+                for o in operands:
+                    src = source[o]
+                    if src in owner and elements[name] == elements[src]:
+                        owner[name] = owner[src]
+                        dtypes = [d for d, _ in _ARRAY.findall(type_text) if d in DTYPE_BYTES]
+                        if dtypes and DTYPE_BYTES[dtypes[0]] > compute_bytes:
+                            wide.add(name)
+                        break
+        live: set = set()
+        for index, name in order:
+            live = {n for n in live if last[n] >= index}
+            if name in owner:
+                live.add(name)
+            total = sum(size[n] for n in live if n not in wide)
+            if total > best:
+                best, best_groups = total, {}
+                best_wide = sum(size[n] for n in live if n in wide)
+                for n in live - wide:
+                    best_groups[owner[n]] = best_groups.get(owner[n], 0) + size[n]
+    return best, best_groups, best_wide

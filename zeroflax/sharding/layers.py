@@ -22,10 +22,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class GatherUsage:
+    """What tracing the loss did with the ZeRO-3 handles: filled in while the engine traces it.
+
+    gathered: leaf indices gathered at the point of use (groups, scans, `zeroflax.gather`).
+    raw: leaf indices used as plain arrays without a gather (noted only by the engine's probe).
+    groups: gather group name -> elements of its parameters (gathered together, dropped after use).
+    remat_regions: how many checkpointed regions (groups, scanned layers) the loss has.
+    failed: why the probe could not run the loss on handles (then every leaf is gathered on entry).
+    """
+
+    probe: bool = False
+    gathered: set = dataclasses.field(default_factory=set)
+    raw: set = dataclasses.field(default_factory=set)
+    groups: dict = dataclasses.field(default_factory=dict)
+    remat_regions: int = 0
+    failed: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +53,10 @@ class LayerContext:
     """What the engine tells model code while it traces the loss."""
 
     remat: str  # one of config.REMAT_POLICIES
+    bucket: int = 0  # Config.prefetch_bucket_size: a module with at most this many parameters is one group
+    max_live: int = 0  # Config.max_live_parameters: 0 = no limit; else the next group is gathered early
+    #                    (prefetched) only while this group and the next fit in it together
+    usage: GatherUsage | None = None
 
 
 _contexts: list[LayerContext] = []
@@ -51,6 +75,11 @@ def current_context() -> LayerContext | None:
     return _contexts[-1] if _contexts else None
 
 
+def current_usage() -> GatherUsage | None:
+    ctx = current_context()
+    return ctx.usage if ctx is not None else None
+
+
 def _all_gather(x, dim: int, axis: str):
     # 16-bit floats travel as uint16: bit-exact, and the CPU backend would otherwise widen bf16/fp16
     # collectives to fp32 (doubling the bytes); GPUs carry them as they are.
@@ -61,18 +90,63 @@ def _all_gather(x, dim: int, axis: str):
     return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gather_for_compute(shard, dim: int, axis: str, compute_dtype):
-    """All-gather a ZeRO-3 shard along `dim` over mesh axis `axis`, in `compute_dtype`."""
+def quantize_blocks(x, block: int):
+    """int8 blocks of `block` consecutive elements of x (flattened), one scale (max |x| / 127) per block.
+
+    Returns (q int8 [blocks, block], scale float32 [blocks]); the last block is zero-padded.
+    """
+    flat = x.astype(jnp.float32).ravel()
+    pad = (-flat.size) % block
+    blocks = jnp.pad(flat, (0, pad)).reshape(-1, block)
+    amax = jnp.max(jnp.abs(blocks), axis=1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(blocks / scale[:, None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize_blocks(q, scale, shape, dtype):
+    """The inverse of `quantize_blocks` (up to rounding): an array of `shape` in `dtype`."""
+    flat = (q.astype(jnp.float32) * scale[..., None]).reshape(q.shape[:-2] + (-1,))
+    size = math.prod(shape)
+    return flat[..., :size].reshape(q.shape[:-2] + tuple(shape)).astype(dtype)
+
+
+def _quantized_all_gather(shard, dim: int, axis: str, compute_dtype, block: int):
+    """ZeRO++ qwZ: all-gather int8 blocks and their scales, dequantize on arrival to `compute_dtype`.
+
+    The scales travel in the compute dtype's width when it is 16-bit (as uint16 bits), so a block of
+    256 costs 258 bytes instead of 512 in bf16. A shard smaller than a block is one block of its size."""
+    q, scale = quantize_blocks(shard, max(1, min(block, shard.size)))
+    if jnp.dtype(compute_dtype).itemsize == 2:
+        scale = scale.astype(compute_dtype)
+    q_all = jax.lax.all_gather(q, axis, axis=0, tiled=False)  # [N, blocks, block]
+    scale_all = _all_gather(scale[None], 0, axis)  # [N, blocks]
+    parts = dequantize_blocks(q_all, scale_all.astype(jnp.float32), shard.shape, compute_dtype)  # [N, *shard]
+    # The N shards side by side along `dim`, as a tiled all-gather would have put them.
+    parts = jnp.moveaxis(parts, 0, dim)
+    shape = list(shard.shape)
+    shape[dim] *= parts.shape[dim]
+    return parts.reshape(shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gather_for_compute(shard, dim: int, axis: str, compute_dtype, quant_block: int = 0):
+    """All-gather a ZeRO-3 shard along `dim` over mesh axis `axis`, in `compute_dtype`.
+
+    quant_block > 0: ZeRO++'s quantized weights (qwZ): int8 blocks of that many elements travel
+    instead of the compute dtype; the gradient is the reduce-scatter of the cotangent either way.
+    """
+    if quant_block:
+        return _quantized_all_gather(shard, dim, axis, compute_dtype, quant_block)
     return _all_gather(shard.astype(compute_dtype), dim, axis)
 
 
-def _gather_fwd(shard, dim, axis, compute_dtype):
+def _gather_fwd(shard, dim, axis, compute_dtype, quant_block):
     # The only residual is a zero-size array carrying the master dtype for the backward cast.
-    return gather_for_compute(shard, dim, axis, compute_dtype), jnp.zeros((0,), shard.dtype)
+    return gather_for_compute(shard, dim, axis, compute_dtype, quant_block), jnp.zeros((0,), shard.dtype)
 
 
-def _gather_bwd(dim, axis, compute_dtype, dtype_carrier, cotangent):
+def _gather_bwd(dim, axis, compute_dtype, quant_block, dtype_carrier, cotangent):
     grad = jax.lax.psum_scatter(cotangent.astype(dtype_carrier.dtype), axis, scatter_dimension=dim, tiled=True)
     return (grad,)
 
@@ -83,39 +157,81 @@ gather_for_compute.defvjp(_gather_fwd, _gather_bwd)
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass
 class ShardedLeaf:
-    """A ZeRO-3 parameter still in its at-rest form: this device's shard of a stacked-layer leaf.
+    """A ZeRO-3 parameter still in its at-rest form: this device's shard, gathered where it is used.
 
-    `dim` is the partitioned dimension of one layer's slice (the stacked leaf's dimension minus one).
-    Slicing it (as `lax.scan` does) keeps the handle; `gather_layer` turns a slice into a full array.
+    `dim` is the partitioned dimension of one gathered array. For a stacked-layer leaf that is the
+    stacked leaf's dimension minus one: slicing the handle (as `lax.scan` or `nn.scan` does) keeps it a
+    handle, and each layer's slice is gathered on its own. `shape` is the whole (gathered) shape of one
+    slice; `index` is the leaf's position in the flattened parameters (for the engine's bookkeeping).
     """
 
     shard: Any
     dim: int
     axis: str
     compute_dtype: Any
+    shape: tuple
+    index: int = -1
+    quant_block: int = 0
 
     def tree_flatten(self):
-        return (self.shard,), (self.dim, self.axis, self.compute_dtype)
+        return (self.shard,), (self.dim, self.axis, self.compute_dtype, self.shape, self.index, self.quant_block)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(children[0], *aux)
 
+    @property
+    def stacked(self) -> bool:
+        """Still a stack of layers (not yet sliced to one layer by a scan)."""
+        return getattr(self.shard, "ndim", len(self.shape)) > len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Elements of the gathered array (of one layer, for a stack)."""
+        return math.prod(self.shape)
+
+    @property
+    def dtype(self):
+        return self.compute_dtype
+
+    def gather(self):
+        if self.stacked:
+            raise TypeError("a stack of layers held ZeRO-3 sharded cannot be gathered whole; iterate over "
+                            "its layers with zeroflax.scan_layers or nn.scan")
+        usage = current_usage()
+        if usage is not None:
+            usage.gathered.add(self.index)
+        return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block)
+
     def __jax_array__(self):
+        usage = current_usage()
+        if usage is not None and usage.probe:  # the engine's probe: note the raw use, keep tracing
+            usage.raw.add(self.index)
+            return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block)
         raise TypeError(
-            "this parameter is a stack of layers held ZeRO-3 sharded; iterate over its layers with "
-            "zeroflax.scan_layers (or call zeroflax.gather_layer on one layer's slice) before using it")
+            "this parameter is held ZeRO-3 sharded; gather it where it is used with zeroflax.gather(...), run "
+            "its module as a gather group (Flax modules are, automatically) or iterate over a stack of layers "
+            "with zeroflax.scan_layers")
+
+
+def is_handle(x) -> bool:
+    return isinstance(x, ShardedLeaf)
+
+
+def gather(tree):
+    """Make ZeRO-3 parameters whole on this device, in the compute dtype, at the point of use.
+
+    `tree` is one parameter or any pytree of them; leaves that are not ZeRO-3 handles (replicated
+    parameters, activations, anything outside the engine) pass through unchanged. The backward pass
+    reduce-scatters the gradient. Call it inside a `zeroflax.group` (or a Flax module, which is one)
+    for the gathered weights to be dropped after use and gathered again for the backward pass.
+    """
+    return jax.tree.map(lambda x: x.gather() if is_handle(x) else x, tree, is_leaf=is_handle)
 
 
 def gather_layer(layer_params):
     """Make one layer's parameters whole on this device (identity for leaves that already are)."""
-
-    def gather(leaf):
-        if isinstance(leaf, ShardedLeaf):
-            return gather_for_compute(leaf.shard, leaf.dim, leaf.axis, leaf.compute_dtype)
-        return leaf
-
-    return jax.tree.map(gather, layer_params, is_leaf=lambda x: isinstance(x, ShardedLeaf))
+    return gather(layer_params)
 
 
 def remat_policy(name: str):
@@ -154,5 +270,7 @@ def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | 
 
     if policy is not None:
         step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+        if ctx is not None and ctx.usage is not None:
+            ctx.usage.remat_regions += 1
     carry, _ = jax.lax.scan(step, carry, (stacked_params, xs), unroll=unroll)
     return carry
