@@ -1,5 +1,6 @@
 """Small models for the tests: a Linen MLP with logical axis names, a Linen conv net, a plain pytree
-with dimensions that 8 does not divide, an NNX MLP, and a ResNet with BatchNorm."""
+with dimensions that 8 does not divide, an NNX MLP, a ResNet with BatchNorm, and residual MLP stacks
+written three ways (unscanned Linen, Linen nn.scan, NNX)."""
 import functools
 from typing import Any, Callable, Sequence
 
@@ -122,3 +123,83 @@ class ResNet(nn.Module):
 
 def resnet18(num_classes: int = 10, num_filters: int = 64):
     return ResNet(stage_sizes=(2, 2, 2, 2), num_classes=num_classes, num_filters=num_filters)
+
+
+def dense(features, names):
+    """nn.Dense with logical names on the kernel and the bias."""
+    return nn.Dense(features, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.normal(0.1), (names[1],)))
+
+
+class Block(nn.Module):
+    """d -> hidden -> d with a residual (the unit of issue 7's memory figures: 512 -> 2048 -> 512)."""
+
+    d: int = 32
+    hidden: int = 128
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(dense(self.hidden, ("embed", "mlp"))(x))
+        return x + dense(self.d, ("mlp", "embed"))(h)
+
+
+class DeepMLP(nn.Module):
+    """An unscanned Linen model: `blocks` Block modules one after another, then a head."""
+
+    blocks: int = 4
+    d: int = 32
+    hidden: int = 128
+    out: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.blocks):
+            x = Block(self.d, self.hidden)(x)
+        return dense(self.out, ("embed", None))(x)
+
+
+class _ScanBlock(nn.Module):
+    d: int
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        return Block(self.d, self.hidden)(x), None
+
+
+class ScannedMLP(nn.Module):
+    """The same stack as a Linen nn.scan; 'layers' names the stacked dimension (metadata_params)."""
+
+    blocks: int = 4
+    d: int = 32
+    hidden: int = 128
+    out: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.blocks,
+                        metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = stack(self.d, self.hidden)(x, None)
+        return dense(self.out, ("embed", None))(x)
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, d, hidden, rngs):
+        self.up = nnx.Linear(d, hidden, rngs=rngs)
+        self.down = nnx.Linear(hidden, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class NNXNet(nnx.Module):
+    """The same kind of stack in NNX: blocks in an nnx.List, then a head."""
+
+    def __init__(self, rngs, blocks=3, d=32, hidden=128, out=8):
+        self.blocks = nnx.List([NNXBlock(d, hidden, rngs) for _ in range(blocks)])
+        self.head = nnx.Linear(d, out, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -7,7 +7,6 @@ Equivalence tolerance: as tests/test_equivalence.py (adamw lr 1e-3, eps 1e-6; me
 """
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,72 +17,11 @@ from flax import nnx
 import zeroflax
 from zeroflax.models.unet3d import UNet3D, UNet3DConfig, segmentation_loss, synthetic_volumes
 from zeroflax.sharding.layers import dequantize_blocks, quantize_blocks
+from models import DeepMLP, NNXNet, ScannedMLP
 
 STEPS = 5
 TOL = 1e-5
 D = 32
-
-
-def dense(features, names):
-    return nn.Dense(features, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names),
-                    bias_init=nn.with_logical_partitioning(nn.initializers.normal(0.1), (names[1],)))
-
-
-class Block(nn.Module):
-    """d -> 4d -> d with a residual: the unit the issue's memory figures use."""
-
-    @nn.compact
-    def __call__(self, x):
-        return x + dense(D, ("mlp", "embed"))(jnp.tanh(dense(4 * D, ("embed", "mlp"))(x)))
-
-
-class DeepMLP(nn.Module):
-    """An unscanned Linen model: `blocks` Block modules one after another, then a head."""
-
-    blocks: int = 4
-
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(self.blocks):
-            x = Block()(x)
-        return dense(8, ("embed", None))(x)
-
-
-class ScanBlock(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-        return Block()(x), None
-
-
-class ScannedMLP(nn.Module):
-    """A Linen nn.scan stack; 'layers' names the stacked dimension (nn.scan's metadata_params)."""
-
-    @nn.compact
-    def __call__(self, x):
-        stack = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4,
-                        metadata_params={nn.PARTITION_NAME: "layers"})
-        x, _ = stack()(x, None)
-        return dense(8, ("embed", None))(x)
-
-
-class NNXBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.up = nnx.Linear(D, 4 * D, rngs=rngs)
-        self.down = nnx.Linear(4 * D, D, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jnp.tanh(self.up(x)))
-
-
-class NNXNet(nnx.Module):
-    def __init__(self, rngs):
-        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(3)])
-        self.head = nnx.Linear(D, 8, rngs=rngs)
-
-    def __call__(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def plain_params(key):

@@ -1,18 +1,22 @@
-"""ZeRO-3 "store one way, compute another": parameters gathered just in time, one layer at a time.
+"""ZeRO-3 "store one way, compute another": the gather, its handles, and scanned layers.
 
 Inside the engine's loss (a `shard_map` that is manual over the `data` axis), a ZeRO-3 parameter is
-its local shard. Leaves that are not stacked layers are gathered once on entry. Stacked-layer leaves
-reach the model as `ShardedLeaf` handles; `scan_layers` slices them per layer and gathers each slice
-inside the loop body, so only the current layer's weights are ever whole on a device. The gather:
+its local shard. It reaches the model as a `ShardedLeaf` handle when the loss gathers it where it is
+used: in a gather group (`sharding.groups`: Flax modules, `zeroflax.group` blocks), in `scan_layers`
+(one layer's slice per loop iteration), or through `zeroflax.gather`; the engine gathers any other
+leaf on entry. The gather (`gather_for_compute`):
 
-  forward   cast the fp32 shard to the compute dtype, then all-gather (2 bytes/element in bf16)
+  forward   cast the fp32 shard to the compute dtype, then all-gather (2 bytes/element in bf16), or
+            with qwZ all-gather int8 blocks and their scales and dequantize on arrival
   backward  reduce-scatter the weight's cotangent in the gradient dtype (fp32)
 
 It is a `custom_vjp`, so the reduction is a reduce-scatter by construction, not whatever the
 partitioner infers, and it keeps no residual. No remat policy below saves the gathered weights
 (they are not matmul outputs): the backward pass gathers again, as ZeRO-3 does, instead of holding
 all layers' weights until the backward pass. (That is why `Config` refuses remat 'none' with
-ZeRO-3: without rematerialisation every layer's gathered weights would be kept.)
+ZeRO-3: without rematerialisation every layer's gathered weights would be kept.) Inside a scan the
+forward and backward loops are separate computations, so XLA cannot merge the two gathers; for
+unscanned groups `sharding.groups` explains the ties that keep them apart.
 
 Models call `scan_layers` for their stack of layers; outside the engine it is a plain (optionally
 rematerialised) scan, so the same model code runs anywhere.
