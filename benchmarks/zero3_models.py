@@ -8,8 +8,9 @@ step on 8 simulated CPU devices, bf16 compute. Compile-only: nothing is trained.
    parameters (its body a zeroflax.group). Stage 3: XLA temporaries, gathered weights alive at the peak
    (schedule analysis) against the two largest groups, collective bytes against (2 b_c + b_g) Psi (N-1)/N.
    The unscanned model also at 24 blocks, and with prefetch off (max_live_parameters 0).
-2. The 3D U-Net at 32^3 (channels 32-256, Psi = 7.9M) and a ResNet-18 (BatchNorm; not tuned for):
-   temporaries with remat none / full / dots at stage 0, and the U-Net at stage 3.
+2. The 3D U-Net at 32^3 (channels 32-256) and a ResNet-18 (BatchNorm, 224x224 images, 8 per device; a
+   model the groups were not tuned for): temporaries with remat none / full / dots at stage 0, and the
+   U-Net at stage 3.
 3. qwZ: all-gather bytes with int8 gathers against bf16 gathers, on the unscanned model.
 """
 from __future__ import annotations
@@ -125,11 +126,13 @@ def main(argv=None):
     results["mlp"]["linen_qwz"] = measure(loss, init, batch, names, quantized_weights=True)
     log("mlp depth, prefetch, qwZ")
 
-    unet = UNet3D(UNet3DConfig(channels=channels, in_channels=1, num_classes=3, groups=8, downsample="pool"))
+    unet = UNet3D(UNet3DConfig(channels=channels, in_channels=1, num_classes=3, groups=8))  # stride-2 convs down
     volume = {"image": np.zeros((8, size, size, size, 1), np.float32), "labels": np.zeros((8, size, size, size), np.int32)}
     unet_init = lambda rng, b: unet.init(jax.random.key(0, impl="unsafe_rbg"), b["image"][:1])["params"]
     resnet = resnet18(num_classes=10, num_filters=16 if args.quick else 64)
-    images = {"image": np.zeros((8 * 4, 64, 64, 3), np.float32), "label": np.zeros((8 * 4,), np.int32)}
+    # ImageNet-sized inputs, 8 per device: the scale a ResNet is trained at (compile-only, nothing allocated).
+    side, per_device = (32, 2) if args.quick else (224, 8)
+    images = {"image": np.zeros((8 * per_device, side, side, 3), np.float32), "label": np.zeros((8 * per_device,), np.int32)}
 
     def resnet_loss(params, batch, rng, state):
         logits, updates = resnet.apply({"params": params, **state}, batch["image"], mutable=["batch_stats"])
@@ -142,7 +145,7 @@ def main(argv=None):
                                             sample_batch=volume)
         results["remat"][f"unet_{remat}"] = {"psi": engine.memory_report(state, volume).num_params,
                                               "temp_mib": engine.memory_report(state, volume).temp / MiB}
-        config = config.replace(micro_batch_size=4)
+        config = config.replace(micro_batch_size=per_device)
         engine, state = zeroflax.initialize(
             resnet_loss, lambda rng, b: resnet.init(rng, b["image"][:1]), optax.adam(1e-4), config,
             sample_batch=images, model_state=("batch_stats",))

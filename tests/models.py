@@ -167,13 +167,8 @@ class _ScanBlock(nn.Module):
         return Block(self.d, self.hidden)(x), None
 
 
-class ScannedMLP(nn.Module):
+class ScannedMLP(DeepMLP):
     """The same stack as a Linen nn.scan; 'layers' names the stacked dimension (metadata_params)."""
-
-    blocks: int = 4
-    d: int = 32
-    hidden: int = 128
-    out: int = 8
 
     @nn.compact
     def __call__(self, x):

@@ -173,7 +173,7 @@ class Config:
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     quantized_weights: bool = False
-    quantization_block: int = 256
+    quantization_block: int = 64
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
     logical_rules: tuple = DEFAULT_LOGICAL_RULES
     seed: int = 0

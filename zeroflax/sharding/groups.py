@@ -73,12 +73,20 @@ def _floating(x) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _anchor(tree):
-    """A float32 zero computed from the first floating, non-empty array of `tree` (None without one)."""
-    for x in jax.tree.leaves(tree):
-        if _floating(x) and np.size(x):
-            return jnp.ravel(x)[0].astype(jnp.float32) * 0.0
-    return None
+def _anchor(tree, every: bool = False):
+    """A float32 zero computed from the first floating, non-empty array of `tree` (from one element of
+    each of them with `every`); None without one."""
+    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in jax.tree.leaves(tree) if _floating(x) and np.size(x)]
+    if not firsts:
+        return None
+    return (sum(firsts) if every else firsts[0]) * 0.0
+
+
+def _same_trace(a, b) -> bool:
+    """Whether two values belong to the same trace (a prefetch anchor must not cross into a scan body
+    or out of one). Without the (private) attribute, assume not: no prefetch, never a leaked tracer."""
+    missing = object()
+    return getattr(a, "_trace", missing) is getattr(b, "_trace", None)
 
 
 def _tie(tree, anchor):
@@ -130,7 +138,8 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
 
     level = _levels[-1]
     own = _anchor(dynamic)
-    prefetch = level[0] is not None and ctx.max_live and size + level[1] <= ctx.max_live
+    prefetch = (level[0] is not None and own is not None and _same_trace(level[0], own)
+                and ctx.max_live and size + level[1] <= ctx.max_live)
     anchor = level[0] if prefetch else own
     level[0], level[1] = own, size
     if anchor is None:
@@ -148,19 +157,19 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
     checkpointed = body if policy is None else jax.checkpoint(body, policy=policy, prevent_cse=False)
 
     @jax.custom_vjp
-    def group(v, dyn, a):
+    def call_group(v, dyn, a):
         return checkpointed(v, dyn, a)
 
-    def group_fwd(v, dyn, a):
+    def call_group_fwd(v, dyn, a):
         return jax.vjp(checkpointed, v, dyn, a)  # (outputs, pullback): the pullback holds the residuals
 
-    def group_bwd(pullback, cotangent):
+    def call_group_bwd(pullback, cotangent):
         pullback = _tie(pullback, _anchor(cotangent))
         grad_v, grad_dyn, grad_a = pullback(cotangent)
-        return grad_v, _tie(grad_dyn, _anchor(grad_v)), grad_a
+        return grad_v, _tie(grad_dyn, _anchor(grad_v, every=True)), grad_a
 
-    group.defvjp(group_fwd, group_bwd)
-    return group(variables, dynamic, anchor)
+    call_group.defvjp(call_group_fwd, call_group_bwd)
+    return call_group(variables, dynamic, anchor)
 
 
 def group(fn: Callable, name: str | None = None) -> Callable:
