@@ -81,7 +81,7 @@ class Engine:
     """Holds the mesh, the sharding plan and the compiled step; see `initialize`."""
 
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation, config: Config,
-                 plan: ShardingPlan, abstract_params, train_batch_size: int, has_model_state: bool = False):
+                 plan: ShardingPlan, abstract_params, train_batch_size: int, abstract_model_state=None):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config
@@ -90,7 +90,7 @@ class Engine:
         self.data_size = self.mesh.shape[DATA_AXIS]
         self.train_batch_size = train_batch_size
         self.abstract_params = abstract_params
-        self.has_model_state = has_model_state
+        self.has_model_state = abstract_model_state is not None
         # Filled in when the step is first traced: what the probe found (which ZeRO-3 leaves the loss
         # gathers itself) and what the real trace did (groups, regions); see `gather_usage`.
         self._probe_usage: GatherUsage | None = None
@@ -99,7 +99,7 @@ class Engine:
         self.state_shardings = TrainState(
             step=plan.replicated, params=plan.params, opt_state=plan.opt_state,
             loss_scale=jax.tree.map(lambda _: plan.replicated, init_loss_scale(config.loss_scale, False)),
-            rng=plan.replicated, model_state=plan.replicated if has_model_state else None)
+            rng=plan.replicated, model_state=jax.tree.map(lambda _: plan.replicated, abstract_model_state))
         self._jit_step = None
         self._jit_eval = None
         self._compiled: dict = {}
@@ -409,19 +409,19 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
     if callable(params):
         init_args = (init_rng,) if sample_batch is None else (init_rng, sample_batch)
         init_fn = params
-        abstract_tree, _ = _split_variables(jax.eval_shape(init_fn, *init_args), collections)
+        abstract_tree, abstract_state = _split_variables(jax.eval_shape(init_fn, *init_args), collections)
         abstract_params, names = unbox(abstract_tree)
     else:
         params, state_tree = _split_variables(params, collections)
         params, names = unbox(params)
-        abstract_params = _abstract(params)
+        abstract_params, abstract_state = _abstract(params), _abstract(state_tree)
     if logical_axes is not None:
         names = logical_axes
     plan = make_plan(optimizer, abstract_params, names, mesh, config)
     engine = Engine(loss_fn, optimizer, config, plan, abstract_params, train_batch_size,
-                    has_model_state=bool(collections))
+                    abstract_model_state=unbox(abstract_state)[0] if collections else None)
 
-    state_sharding = plan.replicated if collections else None
+    state_sharding = engine.state_shardings.model_state
     if callable(params):
         def init_all(*args):
             tree, state_tree = _split_variables(init_fn(*args), collections)

@@ -22,7 +22,10 @@ the backward pass, and recomputed activations likewise. So:
     input when both fit in `Config.max_live_parameters` (prefetch: the next group's gather may run
     while the previous group computes), so XLA cannot issue every gather at the start.
 A tie costs one scalar multiply-add per array. A non-finite anchor (an overflowing fp16 step) makes the
-tied values non-finite, and such a step is skipped anyway.
+tied values non-finite, and such a step is skipped anyway. Whole (unsharded) parameters are tied too:
+left untied, XLA merges the weight-only values of the recomputation (on the CPU, the fp32 copies it makes
+of bf16 convolution and matmul operands) with the forward pass's, and keeps them from one to the other
+(measured: ResNet-18 with remat 'full', 235.6 MiB of temporaries with the ties, 299.9 MiB without).
 """
 from __future__ import annotations
 
