@@ -7,7 +7,8 @@ shardings of the `ShardingPlan` and the state donated. Its parts:
      so tensor slicing composes). Each device runs the loss on its micro-batches; ZeRO-3 parameters
      are gathered just in time: per module (`sharding.groups`: Flax modules, `zeroflax.group` blocks),
      per layer (`scan_layers`, `nn.scan`) or at the point of use (`zeroflax.gather`); a leaf the loss
-     uses as a plain array is gathered on entry (found by a probe trace, `Engine.gather_usage`).
+     uses as a plain array is gathered on entry (found by a probe trace: `Engine.probe_usage`,
+     `Engine.gathered_on_entry()`).
      Model state (Flax collections besides `params`, e.g. BatchNorm statistics) is threaded through
      the micro-batches and averaged over `data`. Gradients are synchronised by `ZeroGradSync`.
   2. the update, in the global view: unscale (fp16), skip on overflow, clip, `optimizer.update` on
