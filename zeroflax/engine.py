@@ -150,6 +150,13 @@ class Engine:
         loss, aux = _split_loss_output(out)
         return loss, aux, new_state
 
+    def _traced_loss(self, ctx: LayerContext, point_of_use: set, params, batch, rng, model_state):
+        """The user's loss as the engine traces it (inside shard_map): under the loss scope (context,
+        Linen groups), on compute-dtype parameters (handles for `point_of_use`) and batch."""
+        with loss_scope(ctx):
+            return self._call_loss(self._params_for_compute(params, point_of_use), self._cast_batch(batch),
+                                   rng, model_state)
+
     def _point_of_use(self) -> set:
         usage = self._probe_usage
         if usage is None or usage.failed:
@@ -179,9 +186,8 @@ class Engine:
         first = jax.tree.map(lambda x: x[: x.shape[0] // self.config.grad_accum_steps], batch)  # one micro-batch
 
         def local(params, batch, model_state):
-            with loss_scope(self._context(usage)):
-                p = self._params_for_compute(params, _all_leaves(params))
-                loss, _, _ = self._call_loss(p, self._cast_batch(batch), jax.random.PRNGKey(0), model_state)
+            loss, _, _ = self._traced_loss(self._context(usage), _all_leaves(params), params, batch,
+                                           jax.random.PRNGKey(0), model_state)
             return loss
 
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
@@ -218,9 +224,7 @@ class Engine:
 
         def micro_grads(micro_batch, micro_rng, state):
             def scaled_loss(p):
-                with loss_scope(ctx):
-                    loss, aux, new_state = self._call_loss(
-                        self._params_for_compute(p, point_of_use), self._cast_batch(micro_batch), micro_rng, state)
+                loss, aux, new_state = self._traced_loss(ctx, point_of_use, p, micro_batch, micro_rng, state)
                 loss = loss.astype(jnp.float32)
                 return loss * (scale * weight), (loss, aux, new_state)
 
