@@ -175,7 +175,7 @@ def markdown(r) -> str:
     lines.append(f"| 3D U-Net | {u['psi']:,} | {u['groups']} | {u['temp_mib']:.1f} | {u['gathered_peak_mib']:.2f} "
                  f"| {u['two_largest_groups_mib']:.2f} | {u['comm_mib']:.1f} | {u['comm_theory_mib']:.1f} | {u['comm_ratio']:.3f} |")
     q, b = r["mlp"]["linen_qwz"], r["mlp"]["linen"]
-    lines += ["", f"qwZ (int8 gathers, block 256): all-gather {q['all_gather_mib']:.1f} MiB vs bf16 {b['all_gather_mib']:.1f} "
+    lines += ["", f"qwZ (int8 gathers, block {zeroflax.Config().quantization_block}): all-gather {q['all_gather_mib']:.1f} MiB vs bf16 {b['all_gather_mib']:.1f} "
               f"MiB, ratio {q['all_gather_mib'] / b['all_gather_mib']:.3f}; by dtype {q['all_gather_by_dtype_mib']}", ""]
     lines += ["| remat (stage 0, bf16) | Psi | none MiB | full MiB | dots MiB | full / none |", "|---|---|---|---|---|---|"]
     for model in ("unet", "resnet18"):

@@ -34,7 +34,7 @@ from zeroflax.config import Config, ConfigError
 from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_loss_scale
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
-from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute
+from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute, loss_remat_policy
 from zeroflax.sharding.mesh import DATA_AXIS, build_mesh
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, make_plan
 
@@ -153,9 +153,21 @@ class Engine:
     def _traced_loss(self, ctx: LayerContext, point_of_use: set, params, batch, rng, model_state):
         """The user's loss as the engine traces it (inside shard_map): under the loss scope (context,
         Linen groups), on compute-dtype parameters (handles for `point_of_use`) and batch."""
-        with loss_scope(ctx):
-            return self._call_loss(self._params_for_compute(params, point_of_use), self._cast_batch(batch),
-                                   rng, model_state)
+        def loss(params, batch, rng, model_state):
+            with loss_scope(ctx):
+                return self._call_loss(self._params_for_compute(params, point_of_use), self._cast_batch(batch),
+                                       rng, model_state)
+
+        policy = loss_remat_policy(ctx.remat)
+        probe = self._probe_usage
+        if policy is None or ctx.usage.probe or probe is None or not probe.remat_regions:
+            return loss(params, batch, rng, model_state)
+        # Config.remat reaches the code between the checkpointed blocks too (a stem, pooling, the head
+        # and the loss): only the blocks' boundaries are kept from it. prevent_cse: without the barrier
+        # XLA merges that recomputation with the forward pass (ResNet-18 at 224^2, 8 per device, stage 0,
+        # remat 'full': 235.6 MiB of temporaries without the barrier, 214.2 MiB with it; 384.9 MiB
+        # with remat 'none').
+        return jax.checkpoint(loss, policy=policy, prevent_cse=True)(params, batch, rng, model_state)
 
     def _point_of_use(self) -> set:
         usage = self._probe_usage

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 @dataclasses.dataclass
@@ -254,6 +255,28 @@ def remat_policy(name: str):
     }[name]
 
 
+# The name of the values between checkpointed blocks (a group's or a scanned layer's inputs and outputs).
+BOUNDARY = "zeroflax_boundary"
+
+
+def mark_boundary(tree):
+    """`tree` with its floating arrays named as block boundaries, which `loss_remat_policy` saves."""
+    def mark(x):
+        return checkpoint_name(x, BOUNDARY) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(mark, tree)
+
+
+def loss_remat_policy(name: str):
+    """The policy for the loss as a whole (code between blocks: a model's stem, pooling, head and loss):
+    it keeps the block boundaries and what the blocks' own policy keeps, and recomputes the rest in the
+    backward pass. The blocks are not run again by it: their outputs and residuals are saved."""
+    policy = remat_policy(name)
+    if policy is None:
+        return None
+    return jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(BOUNDARY))
+
+
 def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | None = None, unroll: int = 1):
     """Run `body` over a stack of layers: `carry = body(carry, layer_params[, x])` for each layer.
 
@@ -273,8 +296,10 @@ def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | 
         return out, None
 
     if policy is not None:
-        step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+        checkpointed = jax.checkpoint(step, policy=policy, prevent_cse=False)
+        # The per-layer carries are the scan's residuals: named, the loss's own policy keeps them too.
+        step = lambda carry, inputs: checkpointed(mark_boundary(carry), inputs)
         if ctx is not None and ctx.usage is not None:
             ctx.usage.remat_regions += 1
     carry, _ = jax.lax.scan(step, carry, (stacked_params, xs), unroll=unroll)
-    return carry
+    return mark_boundary(carry)
