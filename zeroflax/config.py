@@ -19,6 +19,8 @@ except ImportError:  # e.g. a GPU image without gin-config: the Python API works
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PIPE = "pipe"  # the pipeline mesh axis
 
 # Logical axis name -> mesh axis (or None = not partitioned). A tensor-parallel layout is a change of
 # this table, not of the model. The ZeRO data axis is added on top by the sharding policy.
@@ -61,7 +63,8 @@ def _is_int(value: Any) -> bool:
 class MeshConfig:
     """Named mesh axes and their sizes, in mesh order. `-1` means "all remaining devices".
 
-    `data` is the ZeRO (data-parallel) axis, `tensor` the tensor-slicing axis.
+    `data` is the ZeRO (data-parallel) axis, `tensor` the tensor-slicing axis, and an optional `pipe`
+    axis (an explicit size) splits the stacked layers into pipeline stages.
     """
 
     axes: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1, "tensor": 1})
@@ -157,6 +160,11 @@ class Config:
     quantized_weights: ZeRO++ qwZ: ZeRO-3 gathers move int8 blocks with one scale each, dequantized on
         arrival to the compute dtype; master weights and gradients stay fp32.
     quantization_block: elements per int8 block (and per scale) for quantized_weights.
+    pipeline_schedule: with a `pipe` mesh axis larger than 1, how the micro-batches (grad_accum_steps
+        of them) flow through the stages: 'gpipe' (all forwards, then all backwards), '1f1b'
+        (DeepSpeed's TrainSchedule; at most S micro-batches in flight) or 'interleaved' (Megatron's
+        interleaved 1F1B over pipeline_virtual_stages chunks per device). See docs/parallelism.md.
+    pipeline_virtual_stages: chunks of layers per device for 'interleaved' (at least 2); 1 otherwise.
     logical_rules: logical axis name -> mesh axis name (or None), for leaves that carry logical names.
     seed: seeds the per-step rng handed to the loss function.
     """
@@ -175,6 +183,8 @@ class Config:
     quantized_weights: bool = False
     quantization_block: int = 64
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
+    pipeline_schedule: str = "1f1b"
+    pipeline_virtual_stages: int = 1
     logical_rules: tuple = DEFAULT_LOGICAL_RULES
     seed: int = 0
 
@@ -214,6 +224,26 @@ class Config:
         _require(_is_int(self.quantization_block) and 16 <= self.quantization_block <= 65536,
                  "Config.quantization_block", f"must be an integer in [16, 65536], got {self.quantization_block!r}")
         _require(_is_int(self.seed), "Config.seed", f"must be an integer, got {self.seed!r}")
+        _require(self.pipeline_schedule in PIPELINE_SCHEDULES, "Config.pipeline_schedule",
+                 f"unknown pipeline schedule {self.pipeline_schedule!r}", f"use one of {', '.join(PIPELINE_SCHEDULES)}")
+        _require(_is_int(self.pipeline_virtual_stages) and self.pipeline_virtual_stages >= 1,
+                 "Config.pipeline_virtual_stages", f"must be a positive integer, got {self.pipeline_virtual_stages!r}")
+        interleaved = self.pipeline_schedule == "interleaved"
+        _require(interleaved == (self.pipeline_virtual_stages > 1), "Config.pipeline_virtual_stages",
+                 f"{self.pipeline_virtual_stages} virtual stages with the {self.pipeline_schedule!r} schedule: "
+                 "only 'interleaved' runs several chunks per device, and it needs at least 2",
+                 "set pipeline_schedule='interleaved' with pipeline_virtual_stages >= 2, or virtual stages 1")
+        _require(PIPE not in self.mesh.axes or self.mesh.axes[PIPE] != -1, f"MeshConfig.axes['{PIPE}']",
+                 "the pipe axis needs an explicit size (the schedule depends on it)", "e.g. {'pipe': 2}")
+        stages = self.mesh.axes.get(PIPE, 1)
+        if stages > 1:
+            M = self.grad_accum_steps
+            _require(not (self.pipeline_schedule == "1f1b" and M < stages), "Config.grad_accum_steps",
+                     f"1f1b with {stages} stages needs at least {stages} micro-batches, got {M}",
+                     f"set grad_accum_steps >= {stages} (more micro-batches shrink the bubble too), or use gpipe")
+            _require(not (interleaved and M % stages), "Config.grad_accum_steps",
+                     f"the interleaved schedule needs micro-batches divisible by the {stages} stages, got {M}",
+                     f"use a multiple of {stages}")
         rules = tuple(tuple(rule) for rule in self.logical_rules)
         for rule in rules:
             _require(len(rule) == 2 and isinstance(rule[0], str) and (rule[1] is None or isinstance(rule[1], str)),

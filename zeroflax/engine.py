@@ -35,7 +35,9 @@ from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_lo
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
 from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute, loss_remat_policy
-from zeroflax.sharding.mesh import DATA_AXIS, build_mesh
+from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook
+from zeroflax.pipeline.schedule import build_schedule
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, build_mesh, pipe_size
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, make_plan
 
 
@@ -97,6 +99,14 @@ class Engine:
         self._probe_usage: GatherUsage | None = None
         self.gather_usage: GatherUsage | None = None
         self.grad_sync = ZeroGradSync(config.zero_stage, plan.placements)
+        stages = pipe_size(self.mesh)
+        self.manual_axes = {DATA_AXIS, PIPE_AXIS} if stages > 1 else {DATA_AXIS}
+        self.schedule = None
+        if stages > 1:
+            layers = check_pipeline(config, plan.placements, stages, abstract_model_state is not None)
+            self.layers_per_chunk = layers // (stages * config.pipeline_virtual_stages)
+            self.schedule = build_schedule(config.pipeline_schedule, stages, config.grad_accum_steps,
+                                           config.pipeline_virtual_stages)
         self.state_shardings = TrainState(
             step=plan.replicated, params=plan.params, opt_state=plan.opt_state,
             loss_scale=jax.tree.map(lambda _: plan.replicated, init_loss_scale(config.loss_scale, False)),
@@ -160,7 +170,10 @@ class Engine:
 
         policy = loss_remat_policy(ctx.remat)
         probe = self._probe_usage
-        if policy is None or ctx.usage.probe or probe is None or not probe.remat_regions:
+        # Under a pipeline a stage's backward recomputes the stage anyway (and its output leaves the
+        # loss through the stage hook, which a checkpoint would not let it do).
+        if (policy is None or ctx.usage.probe or probe is None or not probe.remat_regions
+                or active_stage() is not None):
             return loss(params, batch, rng, model_state)
         # Config.remat reaches the code between the checkpointed blocks too (a stem, pooling, the head
         # and the loss): only the blocks' boundaries are kept from it. prevent_cse: without the barrier
@@ -204,7 +217,7 @@ class Engine:
 
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(self.plan.data_specs("params"), P(DATA_AXIS), P()),
-                           out_specs=P(), axis_names={DATA_AXIS}, check_vma=False)
+                           out_specs=P(), axis_names=self.manual_axes, check_vma=False)
         try:
             jax.eval_shape(fn, abstract(params), abstract(first), abstract(model_state))
         except Exception as error:  # the real trace, with entry gathers, reports genuine errors
@@ -233,6 +246,12 @@ class Engine:
         self.gather_usage = usage
         ctx = self._context(usage)
         point_of_use = self._point_of_use()
+
+        if self.schedule is not None:
+            grads, loss, aux = self._pipeline_grads(params, micro, device_rng, scale * weight, ctx, point_of_use)
+            grads = self.grad_sync.final(grads)
+            grads = jax.tree.map(lambda g: g / scale, grads)
+            return grads, jax.lax.pmean(loss, DATA_AXIS), jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux), None
 
         def micro_grads(micro_batch, micro_rng, state):
             def scaled_loss(p):
@@ -269,6 +288,42 @@ class Engine:
             lambda x: jax.lax.pmean(x, DATA_AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, model_state)
         return grads, loss, aux, model_state
 
+    def _pipeline_grads(self, params, micro, rng, seed, ctx, point_of_use):
+        """Per device (manual over `data` and `pipe`): the schedule's micro-batches through this stage.
+        Returns (gradients, mean loss, mean aux); gradients of leaves every stage holds (embeddings,
+        the head: tied ones included) are summed over `pipe`, so every stage updates them alike."""
+        chunk = self.layers_per_chunk
+        accum = self.config.grad_accum_steps
+
+        def piece(p, micro_batch, micro_rng, x, start, role):
+            with stage_hook(x, start, chunk) as stage:
+                loss, aux, _ = self._traced_loss(ctx, point_of_use, p, micro_batch, micro_rng, None)
+            if stage.calls != 1:
+                raise ConfigError(f"MeshConfig.axes['{PIPE_AXIS}']", "the loss never calls zeroflax.scan_layers, so "
+                                  "there is no stack of layers to split into pipeline stages",
+                                  "run the layers with zeroflax.scan_layers, or set the pipe axis to 1")
+            return (loss.astype(jnp.float32), aux) if role == "last" else stage.output
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        activation = jax.eval_shape(lambda p: piece(p, first, rng, None, 0, "first"), params)
+        aux_shape = jax.eval_shape(lambda p, x: piece(p, first, rng, x, 0, "last")[1], params, activation)
+        grads, loss, aux = run_schedule(self.schedule, piece, params, micro, rng, seed, activation,
+                                        self.grad_sync.per_microbatch, chunk, aux_shape)
+        shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else jax.lax.psum(g, PIPE_AXIS)
+        grads = jax.tree.map(shared, self.plan.placements, grads, is_leaf=_is_placement)
+        # Only the last stage computed losses: the sum over `pipe` is theirs.
+        loss = jax.lax.psum(loss, PIPE_AXIS) / accum
+        aux = jax.tree.map(lambda a: jax.lax.psum(a, PIPE_AXIS) / accum, aux)
+        return grads, loss, aux
+
+    def pipeline_schedule(self) -> list | None:
+        """For each pipeline stage, what it runs at each tick of the compiled step: ('F', micro_batch),
+        ('B', micro_batch) (with the chunk, ('F', m, v), for the interleaved schedule) or None (idle).
+        The same table the step executes; None without a pipeline."""
+        if self.schedule is None:
+            return None
+        return [self.schedule.stage_ops(s) for s in range(self.schedule.stages)]
+
     def _sharded_grads(self, params, batch, rng, scale, model_state):
         plan = self.plan
         if self._probe_usage is None:
@@ -276,7 +331,7 @@ class Engine:
         in_specs = (plan.data_specs("params"), jax.tree.map(lambda _: P(DATA_AXIS), batch), P(), P(), P())
         out_specs = (plan.data_specs("grads"), P(), P(), P())
         fn = jax.shard_map(self._local_grads, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                           axis_names={DATA_AXIS}, check_vma=False)
+                           axis_names=self.manual_axes, check_vma=False)
         return fn(params, batch, rng, scale, model_state)
 
     # ------------------------------------------------------------------------------- train step
@@ -378,6 +433,36 @@ class Engine:
     def comm_report(self, state, batch):
         from zeroflax.comm import comm_report
         return comm_report(self, state, batch)
+
+
+def check_pipeline(config: Config, placements, stages: int, has_model_state: bool) -> int:
+    """The number of stacked layers a pipeline of `stages` splits; ConfigError when it cannot."""
+    key = f"MeshConfig.axes['{PIPE_AXIS}']"
+    if config.pipeline_schedule == "interleaved":
+        # Virtual stage v*S + s must hold model layers block v*S + s, which a contiguous split of the
+        # layer axis over `pipe` does not give; the table exists (build_schedule), execution does not.
+        raise ConfigError("Config.pipeline_schedule", "the interleaved schedule is not executed yet: its chunks "
+                          "need the stacked layers stored out of model order across the pipe axis",
+                          "use '1f1b' or 'gpipe'")
+    if has_model_state:
+        raise ConfigError(key, f"a pipeline ({stages} stages) with model state (initialize(model_state=...)) is "
+                          "not supported: each stage would hold its own statistics", "set the pipe axis to 1")
+    stacked = [p for p in jax.tree.leaves(placements, is_leaf=_is_placement) if p.stacked]
+    if not stacked:
+        raise ConfigError(key, f"{stages} pipeline stages, but the model has no stacked layers (no leaf whose first "
+                          "logical axis is 'layers') to split over them",
+                          "stack the layers and run them with zeroflax.scan_layers, or set the pipe axis to 1")
+    depths = {p.shape[0] for p in stacked}
+    if len(depths) > 1:
+        raise ConfigError(key, f"the stacked leaves disagree on the number of layers: {sorted(depths)}",
+                          "give every leaf of the layer stack the same leading 'layers' dimension")
+    layers = depths.pop()
+    parts = stages * config.pipeline_virtual_stages
+    if layers % parts:
+        which = "Config.pipeline_virtual_stages" if config.pipeline_virtual_stages > 1 else key
+        raise ConfigError(which, f"{layers} layers do not split into {stages} stages x "
+                          f"{config.pipeline_virtual_stages} virtual stages", f"use a layer count divisible by {parts}")
+    return layers
 
 
 def _split_variables(tree, collections: tuple):

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from zeroflax.pipeline.executor import active_stage, run_stage
+
 
 @dataclasses.dataclass
 class GatherUsage:
@@ -301,5 +303,11 @@ def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | 
         step = lambda carry, inputs: checkpointed(mark_boundary(carry), inputs)
         if ctx is not None and ctx.usage is not None:
             ctx.usage.remat_regions += 1
-    carry, _ = jax.lax.scan(step, carry, (stacked_params, xs), unroll=unroll)
-    return mark_boundary(carry)
+
+    def run(carry, stacked_params, xs):
+        return jax.lax.scan(step, carry, (stacked_params, xs), unroll=unroll)[0]
+
+    stage = active_stage()  # under a pipeline: only this stage's chunk of the layers, on its input
+    if stage is not None:
+        return mark_boundary(run_stage(stage, run, carry, stacked_params, xs))
+    return mark_boundary(run(carry, stacked_params, xs))

@@ -8,6 +8,7 @@ from jax.sharding import AxisType, Mesh
 from zeroflax.config import MeshConfig
 
 DATA_AXIS = "data"
+PIPE_AXIS = "pipe"  # pipeline stages: the stacked layers are split over it
 
 
 def build_mesh(mesh_config: MeshConfig, devices=None) -> Mesh:
@@ -26,3 +27,7 @@ def build_mesh(mesh_config: MeshConfig, devices=None) -> Mesh:
 
 def data_size(mesh: Mesh) -> int:
     return mesh.shape[DATA_AXIS]
+
+
+def pipe_size(mesh: Mesh) -> int:
+    return mesh.shape.get(PIPE_AXIS, 1)

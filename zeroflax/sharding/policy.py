@@ -2,7 +2,8 @@
 
 Two layers compose per leaf:
   1. its own partitioning, from logical axis names through `Config.logical_rules` (tensor slicing);
-  2. ZeRO's partitioning over the `data` axis: the largest dimension that is divisible by the data
+  2. with a `pipe` axis, the stacked-layer dimension over it (each pipeline stage holds its layers);
+  3. ZeRO's partitioning over the `data` axis: the largest dimension that is divisible by the data
      size and not already partitioned (ties go to the last dimension). Leaves smaller than
      `Config.persistence_threshold` (per layer, for stacked layers) stay replicated, as do leaves with
      no such dimension. The stacked-layer dimension itself (logical name 'layers' in front) is never
@@ -30,7 +31,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroflax.config import Config, ConfigError
-from zeroflax.sharding.mesh import DATA_AXIS
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, pipe_size
 
 LAYERS_AXIS = "layers"
 
@@ -58,9 +59,13 @@ class LeafPlacement:
             axes[self.zero_dim] = DATA_AXIS
         return P(*axes)
 
+    def pipe_spec(self) -> P:
+        """The spec naming only the `pipe` axis (the stacked layers of a pipeline; empty without one)."""
+        return P(*[axis if axis == PIPE_AXIS else None for axis in self.base])
+
     def data_spec(self) -> P:
-        """The spec naming only the data axis: shard_map's in/out spec when manual over `data`."""
-        axes = [None] * len(self.shape)
+        """The spec naming only the manual axes, `data` and `pipe`: shard_map's in/out spec."""
+        axes = list(self.pipe_spec()) + [None] * (len(self.shape) - len(self.pipe_spec()))
         if self.zero_dim is not None:
             axes[self.zero_dim] = DATA_AXIS
         return P(*axes)
@@ -139,6 +144,8 @@ def place_params(abstract_params, logical_axes, mesh: Mesh, config: Config):
                                   f"{len(names)} logical names {names}", "give one name (or None) per dimension")
             base = logical_to_mesh_axes(names, config.logical_rules, mesh, path_str, shape)
             stacked = len(names) > 0 and names[0] == LAYERS_AXIS
+            if stacked and pipe_size(mesh) > 1:  # pipeline: each stage holds its own layers
+                base = (PIPE_AXIS,) + base[1:]
         zero_dim = choose_zero_dim(shape, base, data_size, config.persistence_threshold, stacked)
         placements.append(LeafPlacement(shape, base, zero_dim, stacked))
     return jax.tree_util.tree_unflatten(treedef, placements)
@@ -164,9 +171,11 @@ class ShardingPlan:
         return jax.tree.map(lambda _: NamedSharding(self.mesh, P(DATA_AXIS)), batch_tree)
 
     def data_specs(self, state: str):
-        """shard_map specs (manual over `data`) of 'params' as they enter the loss, or of 'grads'."""
+        """shard_map specs (manual over `data`, and `pipe` when there is one) of 'params' as they enter
+        the loss, or of 'grads'."""
         partitioned = ZERO_PARTITIONED[self.stage][state]
-        return jax.tree.map(lambda p: p.data_spec() if partitioned else P(), self.placements, is_leaf=_is_placement)
+        return jax.tree.map(lambda p: p.data_spec() if partitioned else p.pipe_spec(), self.placements,
+                            is_leaf=_is_placement)
 
 
 def _sharding_tree(mesh, placements, with_data: bool):

@@ -1,0 +1,278 @@
+"""Running a pipeline schedule inside the engine's shard_map (manual over `data` and `pipe`).
+
+Every device runs the same program: a `lax.scan` over the schedule's ticks. At each tick a device
+looks up, in the schedule's table, what its stage does (run a forward, run a backward, or nothing)
+and for which micro-batch and chunk, runs that branch of a `lax.switch`, then sends the activation it
+produced to the next stage and the input cotangent to the previous one (`ppermute`), and files what
+it received into its buffers. Nothing here knows the model: a stage's computation is `piece(role,
+params, micro_batch, rng, x, chunk)`, the user's loss with its one `scan_layers` call restricted to
+one chunk of this device's layers (see `stage_hook`).
+
+Backward passes recompute their stage's forward from the stored input (`jax.vjp` in the backward
+branch), so a stage keeps only its inputs for the micro-batches in flight: the schedule's
+`in_flight` count of them, M for gpipe and at most S for 1f1b, whatever M is. The last stage's
+forward therefore only files its input; its backward computes the loss and seeds the cotangent.
+Buffers are slots reused once their micro-batch's backward has run; the slot assignment is static
+(this module's `tables`), computed from the schedule.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeroflax.pipeline.schedule import Schedule
+
+PIPE_AXIS = "pipe"  # the same name as zeroflax.sharding.mesh.PIPE_AXIS (this module imports no engine code)
+
+# Branches of the per-tick switch. "first": the first virtual stage (runs the loss's code before the
+# layers); "last": the last one (runs the code after them and the loss); "mid": every other.
+IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The schedule as integer arrays [ticks, stages], plus the buffer sizes they need."""
+
+    branch: np.ndarray
+    micro: np.ndarray
+    chunk: np.ndarray
+    in_slot: np.ndarray  # forward/backward: the slot holding this op's input (and, backward, its cotangent)
+    recv_act_slot: np.ndarray  # slot to file the activation arriving at the end of this tick; -1 none
+    recv_ct_slot: np.ndarray  # slot to file the cotangent arriving at the end of this tick; -1 none
+    act_slots: int
+    ct_slots: int
+
+
+def _allocate(events: dict, S: int, num_ticks: int):
+    """Static slot assignment: events[(s, key)] = (first tick it is held, last tick it is needed)."""
+    slot_of, most = {}, 1
+    for s in range(S):
+        free_at: list[int] = []  # per slot: the tick after which it is free again
+        for key, (start, end) in sorted(((k, v) for k, v in events.items() if k[0] == s), key=lambda kv: kv[1]):
+            for i, free in enumerate(free_at):
+                if free < start:
+                    free_at[i] = end
+                    slot_of[key] = i
+                    break
+            else:
+                free_at.append(end)
+                slot_of[key] = len(free_at) - 1
+        most = max(most, len(free_at))
+    return slot_of, most
+
+
+def tables(schedule: Schedule) -> Tables:
+    S, V = schedule.stages, schedule.virtual
+    last = S * V - 1
+    T = schedule.num_ticks
+    when = {}  # (kind, micro, virtual stage) -> tick
+    for t, row in enumerate(schedule.ticks):
+        for s, op in enumerate(row):
+            if op is not None:
+                when[(op.kind, op.micro, op.chunk * S + s)] = t
+    # An input arrives at the end of the previous virtual stage's forward and is needed until this
+    # stage's backward; a cotangent arrives at the end of the next one's backward, needed until ours.
+    acts, cts = {}, {}
+    for (kind, m, k), t in when.items():
+        s = k % S
+        if kind == "B":
+            if k > 0:
+                acts[(s, (m, k))] = (when[("F", m, k - 1)] + 1, t)
+            if k < last:
+                cts[(s, (m, k))] = (when[("B", m, k + 1)] + 1, t)
+    act_slot, act_slots = _allocate(acts, S, T)
+    ct_slot, ct_slots = _allocate(cts, S, T)
+
+    shape = (T, S)
+    branch, micro, chunk, in_slot = (np.zeros(shape, np.int32) for _ in range(4))
+    recv_act, recv_ct = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+    for t, row in enumerate(schedule.ticks):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            k = op.chunk * S + s
+            role = 0 if k == 0 else (2 if k == last else 1)
+            branch[t, s] = (F_FIRST if op.kind == "F" else B_FIRST) + role
+            micro[t, s], chunk[t, s] = op.micro, op.chunk
+            in_slot[t, s] = act_slot.get((s, (op.micro, k)), 0)
+            if op.kind == "F" and k < last:
+                receiver = (k + 1) % S
+                recv_act[t, receiver] = act_slot[(receiver, (op.micro, k + 1))]
+            if op.kind == "B" and k > 0:
+                receiver = (k - 1) % S
+                recv_ct[t, receiver] = ct_slot[(receiver, (op.micro, k - 1))]
+    ct_in = np.zeros(shape, np.int32)
+    for t, row in enumerate(schedule.ticks):
+        for s, op in enumerate(row):
+            if op is not None and op.kind == "B" and op.chunk * S + s < last:
+                ct_in[t, s] = ct_slot[(s, (op.micro, op.chunk * S + s))]
+    return Tables(branch, micro, chunk, np.stack([in_slot, ct_in], -1), recv_act, recv_ct, act_slots, ct_slots)
+
+
+# ------------------------------------------------------------------------------ the stage hook
+@dataclasses.dataclass
+class _Stage:
+    x: Any  # the stage's input, or None on the first virtual stage (the loss's own code makes it)
+    start: Any  # first layer of the chunk within this device's layers (traced int)
+    size: int  # layers per chunk
+    output: Any = None
+    calls: int = 0
+
+
+_stages: list[_Stage] = []
+_observers: list[Callable] = []
+
+
+@contextlib.contextmanager
+def observe_ticks(callback: Callable):
+    """Steps traced inside this context report every tick as it runs, on every device:
+    callback(stage, tick, kind, micro, chunk) with kind 'F', 'B' or None (idle). For tests and
+    debugging: the order the compiled step really executes."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
+def _notify(observers, stage, tick, branch, micro, chunk):
+    kind = None if int(branch) == IDLE else ("F" if int(branch) < B_FIRST else "B")
+    for observer in observers:
+        observer(int(stage), int(tick), kind, int(micro), int(chunk))
+
+
+def active_stage() -> _Stage | None:
+    return _stages[-1] if _stages else None
+
+
+@contextlib.contextmanager
+def stage_hook(x, start, size: int):
+    """While the loss runs inside this context, its `scan_layers` call runs only layers
+    [start, start + size) of this device's share, on `x` (when given) instead of its own carry."""
+    stage = _Stage(x, start, size)
+    _stages.append(stage)
+    try:
+        yield stage
+    finally:
+        _stages.pop()
+
+
+def run_stage(stage: _Stage, run: Callable, carry, stacked_params, xs):
+    """`scan_layers`'s body under a stage hook: one chunk of layers; the output is recorded."""
+    from zeroflax.config import ConfigError
+
+    stage.calls += 1
+    if stage.calls > 1:
+        raise ConfigError("MeshConfig.axes['pipe']", "the loss calls zeroflax.scan_layers more than once; a "
+                          "pipeline splits exactly one stack of layers over the pipe axis",
+                          "use one scan_layers call, or set the pipe axis to 1")
+    chunk = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, stage.start, stage.size, 0), tree)
+    x = carry if stage.x is None else stage.x.astype(carry.dtype)
+    stage.output = run(x, chunk(stacked_params), None if xs is None else chunk(xs))
+    return stage.output
+
+
+# ----------------------------------------------------------------------------------- execution
+def run_schedule(schedule: Schedule, piece: Callable, params, micro, rng, seed, activation: jax.ShapeDtypeStruct,
+                 per_microbatch: Callable, layers_per_chunk: int, aux_shape):
+    """Loss sum, aux sum and accumulated parameter gradients of this device's micro-batches.
+
+    piece(params, micro_batch, rng, x, start, role) -> the chunk's output (role 'first'/'mid') or
+    (loss, aux) (role 'last', the loss a float32 scalar), where `start` is the chunk's first layer among this device's.
+    `seed` scales every micro-batch's loss cotangent (loss scale x the step's weight). Gradients of
+    leaves shared by all stages (embeddings, the head) are this stage's contribution only: the
+    caller sums them over `pipe`.
+    """
+    tab = tables(schedule)
+    stage = jax.lax.axis_index(PIPE_AXIS)
+    S = schedule.stages
+    zeros_act = jnp.zeros(activation.shape, activation.dtype)
+    acts0 = jnp.zeros((tab.act_slots,) + activation.shape, activation.dtype)
+    cts0 = jnp.zeros((tab.ct_slots,) + activation.shape, activation.dtype)
+    # At ZeRO-2 a micro-batch's gradients are reduce-scattered before they are added: a shard each.
+    grads0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(per_microbatch, params))
+    loss0 = jnp.zeros((), jnp.float32)
+    aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+
+    def at(table, t):
+        return jnp.asarray(table)[t, stage]
+
+    def take(tree, m):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False), tree)
+
+    def tick(carry, t):
+        acts, cts, grads, loss_sum, aux_sum = carry
+        m, v = at(tab.micro, t), at(tab.chunk, t)
+        slot_in, slot_ct = at(tab.in_slot[..., 0], t), at(tab.in_slot[..., 1], t)
+        batch, micro_rng = take(micro, m), jax.random.fold_in(rng, m)
+        start = v * layers_per_chunk
+        x_in = jax.lax.dynamic_index_in_dim(acts, slot_in, 0, keepdims=False)
+        ct_in = jax.lax.dynamic_index_in_dim(cts, slot_ct, 0, keepdims=False)
+
+        def idle(_):
+            return zeros_act, zeros_act, grads, loss_sum, aux_sum
+
+        def forward(role):
+            def run(_):
+                x = None if role == "first" else x_in
+                y = piece(params, batch, micro_rng, x, start, role)
+                return y.astype(activation.dtype), zeros_act, grads, loss_sum, aux_sum
+            return run
+
+        def forward_last(_):  # the backward recomputes it (and the loss) from the filed input
+            return zeros_act, zeros_act, grads, loss_sum, aux_sum
+
+        def backward(role):
+            def run(_):
+                if role == "first":
+                    y, pullback = jax.vjp(lambda p: piece(p, batch, micro_rng, None, start, role), params)
+                    (g,) = pullback(ct_in.astype(y.dtype))
+                    return zeros_act, zeros_act, add(grads, per_microbatch(g)), loss_sum, aux_sum
+                if role == "mid":
+                    y, pullback = jax.vjp(lambda p, x: piece(p, batch, micro_rng, x, start, role), params, x_in)
+                    g, dx = pullback(ct_in.astype(y.dtype))
+                    return zeros_act, dx.astype(activation.dtype), add(grads, per_microbatch(g)), loss_sum, aux_sum
+                loss, pullback, aux = jax.vjp(lambda p, x: piece(p, batch, micro_rng, x, start, role),
+                                              params, x_in, has_aux=True)
+                g, dx = pullback(jnp.asarray(seed, loss.dtype))
+                return (zeros_act, dx.astype(activation.dtype), add(grads, per_microbatch(g)),
+                        loss_sum + loss.astype(jnp.float32), add(aux_sum, aux))
+            return run
+
+        branches = [idle, forward("first"), forward("mid"), forward_last,
+                    backward("first"), backward("mid"), backward("last")]
+        branch = at(tab.branch, t)
+        if _observers:
+            jax.debug.callback(functools.partial(_notify, tuple(_observers)), stage, t, branch, m, v)
+        act_out, ct_out, grads, loss_sum, aux_sum = jax.lax.switch(branch, branches, None)
+        # Activations go to the next device, cotangents to the previous one (around the ring when a
+        # device holds several virtual stages).
+        ring = schedule.virtual > 1
+        forward_pairs = [(s, s + 1) for s in range(S - 1)] + ([(S - 1, 0)] if ring else [])
+        backward_pairs = [(s + 1, s) for s in range(S - 1)] + ([(0, S - 1)] if ring else [])
+        act_recv = jax.lax.ppermute(act_out, PIPE_AXIS, forward_pairs)
+        ct_recv = jax.lax.ppermute(ct_out, PIPE_AXIS, backward_pairs)
+        acts = _file(acts, act_recv, at(tab.recv_act_slot, t))
+        cts = _file(cts, ct_recv, at(tab.recv_ct_slot, t))
+        return (acts, cts, grads, loss_sum, aux_sum), None
+
+    carry = (acts0, cts0, grads0, loss0, aux0)
+    (_, _, grads, loss_sum, aux_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
+    return grads, loss_sum, aux_sum
+
+
+def add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _file(buffer, value, slot):
+    """buffer[slot] = value when slot >= 0 (something arrived this tick), else buffer unchanged."""
+    safe = jnp.maximum(slot, 0)
+    current = jax.lax.dynamic_index_in_dim(buffer, safe, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, value, current), safe, 0)
