@@ -375,9 +375,23 @@ class Engine:
                 donate_argnums=(0,))
         return self._jit_step
 
+    def batch_share(self) -> tuple[int, int]:
+        """(index, count): this process feeds block `index` of the global batch's rows cut into `count`
+        equal blocks, the rows of the data-axis shards its devices hold. count is the process count
+        when processes split `data`; 1 when they split only other axes (a pipe axis across hosts): then
+        every process feeds the whole batch."""
+        data_dim = self.mesh.axis_names.index(DATA_AXIS)
+        owners = np.vectorize(lambda d: d.process_index)(self.mesh.devices)
+        mine = sorted({int(c[data_dim]) for c in np.argwhere(owners == jax.process_index())})
+        per = len(mine)
+        if mine != list(range(mine[0], mine[0] + per)) or self.data_size % per:
+            raise ConfigError("MeshConfig.axes", f"this process's devices hold data shards {mine}, not one "
+                              "contiguous block", "order the mesh axes so each process holds whole data blocks")
+        return mine[0] // per, self.data_size // per
+
     def check_batch(self, batch) -> None:
         """Global arrays must hold train_batch_size rows; host (numpy) data this process's share of them."""
-        local = self.train_batch_size // jax.process_count()
+        local = self.train_batch_size // self.batch_share()[1]
         for x in jax.tree.leaves(batch):
             expected = self.train_batch_size if isinstance(x, jax.Array) else local
             if np.ndim(x) == 0 or np.shape(x)[0] != expected:
@@ -385,15 +399,16 @@ class Engine:
                     "Config.train_batch_size",
                     f"a batch leaf has shape {np.shape(x)}, expected {expected} rows (train_batch_size "
                     f"{self.train_batch_size} = micro_batch_size x grad_accum_steps x data-parallel size "
-                    f"{self.data_size}, split over {jax.process_count()} process(es))",
+                    f"{self.data_size}, split over {self.batch_share()[1]} process(es))",
                     "feed batches of train_batch_size examples")
 
     def put_batch(self, batch):
         """The batch as global arrays split over `data`; host data is this process's rows of it."""
         self.check_batch(batch)
         sharding = NamedSharding(self.mesh, P(DATA_AXIS))
-        return jax.tree.map(lambda x: x if isinstance(x, jax.Array)
-                            else jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
+        rows = self.train_batch_size
+        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.make_array_from_process_local_data(
+            sharding, np.asarray(x), (rows,) + np.shape(x)[1:]), batch)
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step over `batch` (train_batch_size examples). `state` is donated."""

@@ -39,6 +39,9 @@ class MemoryReport:
     temp: int
     alias: int
     theory_at_rest: float
+    pipe_size: int = 1  # pipeline stages (the pipe axis)
+    tensor_size: int = 1  # tensor-slicing ways (the tensor axis)
+    bubble_fraction: float = 0.0  # idle share of the configured pipeline schedule's ticks
     # ZeRO-3's gathered weights (stage 3; zeros and empty otherwise), see `gathered_weights_at_peak`:
     gathered_peak: int = 0  # most bytes of gathered weights alive at once
     gathered_by_group: dict = dataclasses.field(default_factory=dict)  # those bytes by gather group
@@ -79,11 +82,14 @@ class MemoryReport:
             ("temporaries (XLA)", self.temp), ("aliased (donated)", self.alias),
             ("peak estimate", self.peak_estimate),
         ]
-        lines = [f"memory per device (ZeRO stage {self.stage}, N={self.data_size}, Psi={self.num_params:,})",
+        axes = f", pipe {self.pipe_size}, tensor {self.tensor_size}" if self.pipe_size * self.tensor_size > 1 else ""
+        lines = [f"memory per device (ZeRO stage {self.stage}, N={self.data_size}{axes}, Psi={self.num_params:,})",
                  f"  {'category':<28}{'MiB':>12}"]
         lines += [f"  {name:<28}{mib(value)}" for name, value in rows]
         lines.append(f"  {'model states at rest':<28}{mib(self.at_rest)}   theory {self.theory_at_rest / 2**20:.2f} MiB,"
                      f" ratio {self.ratio:.3f}")
+        if self.pipe_size > 1:
+            lines.append(f"  pipeline bubble: {self.bubble_fraction:.3f} of each stage's ticks idle")
         if self.stage == 3:
             by_group = ", ".join(f"{g} {b / 2**20:.2f}" for g, b in sorted(self.gathered_by_group.items()))
             lines.append(f"  {'gathered weights at peak':<28}{mib(self.gathered_peak)}   {by_group}")
@@ -103,10 +109,14 @@ def _bytes(x) -> int:
     return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
 
 
-def theory_at_rest(stage: int, num_params: int, data_size: int, param_bytes: float, opt_bytes: float) -> float:
+def theory_at_rest(stage: int, num_params: int, data_size: int, param_bytes: float, opt_bytes: float,
+                   model_parallel: int = 1) -> float:
+    """Bytes of parameters and optimizer state per device: Psi / (pipe x tensor) of them, and ZeRO's
+    1/N on top. Leaves that every stage or tensor slice holds whole (embeddings, norms) make the
+    measured share larger; the ratio shows by how much."""
     params = param_bytes * num_params / (data_size if stage == 3 else 1)
     opt = opt_bytes * num_params / (data_size if stage >= 1 else 1)
-    return params + opt
+    return (params + opt) / model_parallel
 
 
 def memory_report(engine, state, batch) -> MemoryReport:
@@ -120,7 +130,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
     other = (shard_bytes(abstract.step, shardings.step) + shard_bytes(abstract.rng, shardings.rng)
              + shard_bytes(abstract.loss_scale, shardings.loss_scale))
     # Host data is this process's rows of the batch; every device holds 1/data_size of the whole.
-    batch_bytes = sum(_bytes(x) * (1 if isinstance(x, jax.Array) else jax.process_count())
+    batch_bytes = sum(_bytes(x) * (1 if isinstance(x, jax.Array) else engine.batch_share()[1])
                       for x in jax.tree.leaves(batch)) // engine.data_size
     # Stages 0-1 accumulate unreduced gradients in full; stages 2-3 hold one shard.
     with_data = engine.config.zero_stage >= 2
@@ -136,13 +146,16 @@ def memory_report(engine, state, batch) -> MemoryReport:
         gathered = dict(gathered_peak=peak, gathered_by_group=by_group, gathered_wide_copies=wide,
                         groups=dict(engine.probe_usage.groups), gathered_on_entry=engine.gathered_on_entry())
     full_opt = sum(_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
+    pipe, tensor = engine.mesh.shape.get("pipe", 1), engine.mesh.shape.get("tensor", 1)
     return MemoryReport(
         stage=engine.config.zero_stage, data_size=engine.data_size, num_params=num_params,
         params=params, opt_state=opt, grad_buffer=grads, other_state=other, batch=batch_bytes,
         argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
         temp=stats.temp_size_in_bytes, alias=stats.alias_size_in_bytes,
         theory_at_rest=theory_at_rest(engine.config.zero_stage, num_params, engine.data_size,
-                                      full_params / num_params, full_opt / num_params), **gathered)
+                                      full_params / num_params, full_opt / num_params, pipe * tensor),
+        pipe_size=pipe, tensor_size=tensor,
+        bubble_fraction=engine.schedule.bubble_fraction() if engine.schedule is not None else 0.0, **gathered)
 
 
 # ------------------------------------------------------------------ gathered weights in the schedule

@@ -111,9 +111,10 @@ class MetricsLog:
 
 
 def validation_bits_per_byte(engine, state, val_tokens, tc: TrainConfig) -> float:
+    index, count = engine.batch_share()
     losses = [float(engine.evaluate(state, batch)) for batch in validation_batches(
         val_tokens, tc.seq_len, engine.train_batch_size, max_batches=tc.eval_batches,
-        process_index=jax.process_index(), process_count=jax.process_count())]
+        process_index=index, process_count=count)]
     return float(np.mean(losses)) / math.log(2)  # nats per byte -> bits per byte
 
 
@@ -139,8 +140,10 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
     engine, state = zeroflax.initialize(next_token_loss(model),
                                         lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"],
                                         make_optimizer(tc), config, sample_batch=sample)
+    # The rows this process's devices hold: its block of the batch, or all of it when only `pipe` spans hosts.
+    index, count = engine.batch_share()
     loader = TokenLoader(train_tokens, tc.seq_len, engine.train_batch_size, seed=config.seed,
-                         process_index=jax.process_index(), process_count=jax.process_count())
+                         process_index=index, process_count=count)
     os.makedirs(tc.workdir, exist_ok=True)
     checkpoints = Checkpointer(os.path.join(tc.workdir, "checkpoints"), every=tc.checkpoint_every,
                                keep=tc.keep_checkpoints, asynchronous=tc.async_checkpointing)
