@@ -227,3 +227,18 @@ def test_invalid_pipeline_configs_name_the_key(name):
     with pytest.raises(ConfigError) as error:
         build()
     assert key in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_pipeline_sends_exactly_what_the_schedule_sends(stage):
+    """Collective-permute bytes equal the schedule's sends (one micro-batch's activation per pair per
+    tick); nothing is all-gathered over pipe (no parameter crosses it); the pipe axis otherwise only sums
+    the shared leaves' gradients, and that beside its theory too."""
+    boxed, loss, batches = gpt_case()
+    engine, state = zeroflax.initialize(loss, boxed, optax.adam(1e-3), pipeline_config(
+        {"data": 2, "pipe": 4, "tensor": 1}, stage, micro_batches=8))
+    report = engine.comm_report(state, batches[0])
+    print(report)
+    assert report.permute_bytes == pytest.approx(report.permute_theory, rel=1e-6)
+    assert report.by_axis["pipe"] == pytest.approx(report.theory_by_axis["pipe"], rel=0.02)
+    assert not [c for c in report.collectives if "pipe" in c["axes"] and c["kind"] == "all-gather"]

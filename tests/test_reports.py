@@ -51,7 +51,8 @@ def test_parser_counts_loop_trips_and_groups():
     assert (scatter.group_size, scatter.trip_count) == (4, 5)
     assert scatter.bytes_per_step == pytest.approx(5 * 16 * 64 * 4 * 3)
     assert by_kind["all-reduce"].bytes_per_step == pytest.approx(2 * 256 * 4 * 7 / 8)
-    assert by_kind["collective-permute"].bytes_per_step == 20
+    # Per device, averaged over the 8: two of them send 20 bytes each.
+    assert by_kind["collective-permute"].bytes_per_step == 20 * 2 / 8
 
 
 @pytest.fixture(scope="module")

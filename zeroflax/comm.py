@@ -6,7 +6,7 @@ R the bytes of the instruction's result and G the size of its replica group:
 
     all-gather          R (G-1)/G          reduce-scatter    R (G-1)
     all-reduce          2 R (G-1)/G        all-to-all        R (G-1)/G
-    collective-permute  R
+    collective-permute  R x (pairs / devices): the devices that send, averaged over all of them
 
 The theory of design.md section 4, with N the data-parallel size, b_g the gradient and b_c the
 compute dtype's bytes: stages 0-2 move 2 b_g Psi (N-1)/N, stage 3 (2 b_c + b_g) Psi (N-1)/N; with
@@ -61,7 +61,46 @@ def _group_size(attrs: str, num_devices: int) -> int:
     return num_devices
 
 
-def _per_device_bytes(kind: str, result_bytes: int, group: int) -> float:
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_IOTA_FULL = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _pairs(attrs: str) -> list[tuple[int, int]]:
+    found = _PAIRS.search(attrs)
+    if not found:
+        return []
+    return [tuple(int(v) for v in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", found.group(1))]
+
+
+def _first_group(attrs: str, num_devices: int) -> list[int]:
+    """Device (partition) ids of the first replica group; all devices when the groups are implicit."""
+    iota = _IOTA_FULL.search(attrs)
+    if iota:
+        shape = [int(v) for v in iota.group(1).split(",")]
+        dims = [int(v) for v in iota.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(v) for v in iota.group(3).split(",")])
+        return [int(v) for v in ids.reshape(shape[0], -1)[0]]
+    listed = _GROUPS_LIST.search(attrs)
+    if listed:
+        first = listed.group(1).split("}")[0].strip("{ ")
+        return [int(x) for x in first.split(",") if x.strip()]
+    return list(range(num_devices))
+
+
+def mesh_axes_of(ids: list[int], mesh_shape: dict) -> tuple[str, ...]:
+    """The mesh axes along which the devices `ids` (partition ids, row-major over the mesh) differ."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    coords = np.array(np.unravel_index(np.asarray(ids), sizes)).T
+    return tuple(name for i, name in enumerate(names) if len(set(coords[:, i])) > 1)
+
+
+def _per_device_bytes(kind: str, result_bytes: int, group: int, senders: float = 1.0) -> float:
+    """Bytes per device; for a collective-permute, `senders` is the share of devices that send."""
+    if kind == "collective-permute":
+        return result_bytes * senders
     if group <= 1:
         return 0.0
     return {
@@ -69,7 +108,6 @@ def _per_device_bytes(kind: str, result_bytes: int, group: int) -> float:
         "reduce-scatter": result_bytes * (group - 1),
         "all-reduce": 2 * result_bytes * (group - 1) / group,
         "all-to-all": result_bytes * (group - 1) / group,
-        "collective-permute": result_bytes,
     }[kind]
 
 
@@ -80,8 +118,9 @@ class Collective:
     dtype: str  # element type of the result (16-bit floats are all-gathered as u16 bit patterns)
     result_bytes: int
     group_size: int
-    trip_count: int
+    trip_count: float  # executions per step (averaged over pipeline stages inside a pipeline tick)
     bytes_per_step: float
+    axes: tuple = ()  # the mesh axes it communicates over
 
 
 def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
@@ -107,8 +146,14 @@ def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return body, entry
 
 
-def parse_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective], bool]:
-    """All collectives in an HLO module with their per-step bytes; second value: any unknown trip count."""
+def parse_collectives(hlo_text: str, num_devices: int, mesh_shape: dict | None = None,
+                      weights: dict | None = None) -> tuple[list[Collective], bool]:
+    """All collectives in an HLO module with their per-step bytes; second value: any unknown trip count.
+
+    `weights` maps a named scope (found in an instruction's op_name metadata) to the share of its
+    loop's iterations in which the region runs: a pipeline tick's branches run as often as the schedule
+    says, not at every tick. `mesh_shape` names the axes each collective spans."""
+    weights = weights or {}
     body, entry = split_computations(hlo_text)
 
     # How many times each computation runs per step: the sum over its call sites.
@@ -157,8 +202,20 @@ def parse_collectives(hlo_text: str, num_devices: int) -> tuple[list[Collective]
             result_bytes = sizes[-1] if opcode.endswith("-start") else sum(sizes)
             dtype = (dtypes[-1] if opcode.endswith("-start") else "/".join(sorted(set(dtypes)))) if dtypes else "?"
             group = _group_size(rest, num_devices)
-            collectives.append(Collective(kind, name, dtype, result_bytes, group, times,
-                                          times * _per_device_bytes(kind, result_bytes, group)))
+            count = times
+            op_name = _OP_NAME.search(rest)
+            if op_name:
+                # The innermost scope wins: the scopes nest in the order the op name lists them.
+                scoped = [(op_name.group(1).rfind(scope), w) for scope, w in weights.items()
+                          if scope in op_name.group(1)]
+                if scoped:
+                    count = times * max(scoped)[1]
+            pairs = _pairs(rest) if kind == "collective-permute" else []
+            ids = sorted({i for pair in pairs[:1] for i in pair}) if pairs else _first_group(rest, num_devices)
+            axes = mesh_axes_of(ids, mesh_shape) if mesh_shape else ()
+            senders = len(pairs) / num_devices if pairs else 1.0
+            collectives.append(Collective(kind, name, dtype, result_bytes, group, count,
+                                          count * _per_device_bytes(kind, result_bytes, group, senders), axes))
     return collectives, unknown_trip
 
 
@@ -175,6 +232,13 @@ class CommReport:
     theory_bytes: float
     unknown_trip_count: bool
     collectives: list
+    # By mesh axis ('data', 'pipe', 'tensor', or several joined by '+'): bytes per device per step,
+    # and the theory for the axes that have one (data: ZeRO's volume for this device's parameters;
+    # pipe: the activations and cotangents the schedule sends, plus the shared leaves' gradient sum).
+    by_axis: dict = dataclasses.field(default_factory=dict)
+    theory_by_axis: dict = dataclasses.field(default_factory=dict)
+    permute_bytes: float = 0.0  # collective-permute bytes (pipeline sends)
+    permute_theory: float = 0.0  # what the schedule sends: its pairs x one micro-batch's activation
 
     @property
     def ratio(self) -> float:
@@ -194,6 +258,14 @@ class CommReport:
             lines.append(f"  {kind:<20}{row['count']:>8}{row['bytes'] / 2**20:>12.2f}   {split}")
         lines.append(f"  {'total':<20}{'':>8}{self.total_bytes / 2**20:>12.2f}")
         lines.append(f"  {'theory':<20}{'':>8}{self.theory_bytes / 2**20:>12.2f}   ratio {self.ratio:.3f}")
+        if len(self.by_axis) > 1 or self.permute_theory:
+            for axis, value in sorted(self.by_axis.items()):
+                theory = self.theory_by_axis.get(axis)
+                beside = f"   theory {theory / 2**20:.2f}, ratio {value / theory:.3f}" if theory else ""
+                lines.append(f"  {'over ' + axis:<28}{value / 2**20:>12.2f}{beside}")
+            if self.permute_theory:
+                lines.append(f"  {'pipeline sends':<28}{self.permute_bytes / 2**20:>12.2f}   schedule "
+                             f"{self.permute_theory / 2**20:.2f}, ratio {self.permute_bytes / self.permute_theory:.3f}")
         if self.unknown_trip_count:
             lines.append("  warning: a loop without a known trip count was counted once")
         return "\n".join(lines)
@@ -206,9 +278,16 @@ def theory_bytes(stage: int, num_params: int, data_size: int, compute_bytes: flo
     return 2 * grad_bytes * num_params * share
 
 
+def _local_elements(abstract, shardings, keep) -> int:
+    """Elements one device holds of the leaves `keep(placement)` selects."""
+    return sum(math.prod(sh.shard_shape(tuple(x.shape))) for x, sh, p in zip(*abstract) if keep(p))
+
+
 def comm_report(engine, state, batch) -> CommReport:
     compiled = engine.compile(state, batch)
-    collectives, unknown = parse_collectives(compiled.as_text(), engine.mesh.size)
+    schedule_tables = engine.pipeline_tables()
+    weights = schedule_tables.tick_weights() if schedule_tables is not None else None
+    collectives, unknown = parse_collectives(compiled.as_text(), engine.mesh.size, dict(engine.mesh.shape), weights)
     by_kind: dict = {}
     by_dtype: dict = {}
     for c in collectives:
@@ -223,8 +302,42 @@ def comm_report(engine, state, batch) -> CommReport:
         compute = 1 + compute / engine.config.quantization_block
     grad = max(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(engine.abstract_params))  # master dtype
     total = sum(c.bytes_per_step for c in collectives)
+    by_axis: dict = {}
+    for c in collectives:
+        key = "+".join(c.axes) or "none"
+        by_axis[key] = by_axis.get(key, 0.0) + c.bytes_per_step
+    stage = engine.config.zero_stage
+    placements = jax.tree.leaves(engine.plan.placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
+    without_data = [jax.sharding.NamedSharding(engine.mesh, p.spec(False)) for p in placements]
+    leaves = jax.tree.leaves(engine.abstract_params)
+    # This device's parameters once the pipe and tensor axes have split them (ZeRO then splits them N ways).
+    local = _local_elements((leaves, without_data, placements), None, lambda p: True)
+    theory_by_axis = {"data": theory_bytes(stage, local, engine.data_size, compute, grad)}
+    if engine.schedule is not None and stage >= 2:
+        # Under a pipeline every micro-batch is gathered and reduced on its own: at stage 2 a
+        # reduce-scatter per micro-batch and one all-gather of the updated parameters; at stage 3 a
+        # gather for the forward tick and two for the backward tick (its recomputed forward, and the
+        # layers' own remat) and a reduce-scatter, per micro-batch.
+        M, share = engine.config.grad_accum_steps, (engine.data_size - 1) / engine.data_size
+        per_micro = grad if stage == 2 else 3 * compute + grad
+        theory_by_axis["data"] = (M * per_micro + (grad if stage == 2 else 0)) * local * share
+    permute = sum(c.bytes_per_step for c in collectives if c.kind == "collective-permute")
+    permute_theory = 0.0
+    if schedule_tables is not None:
+        S = engine.schedule.stages
+        activation = engine.pipeline_activation
+        act_bytes = math.prod(activation.shape) * np.dtype(activation.dtype).itemsize
+        sends = sum(len(schedule_tables.patterns[k]) for k in schedule_tables.send_pattern)
+        permute_theory = sends * act_bytes / S  # per device: the pairs' sends spread over the S stages
+        grads = jax.tree.leaves(engine.plan.grads)
+        shared = _local_elements((leaves, grads, placements), None, lambda p: not p.stacked)
+        theory_by_axis["pipe"] = permute_theory + 2 * grad * shared * (S - 1) / S
     return CommReport(
-        stage=engine.config.zero_stage, data_size=engine.data_size, num_params=num_params,
+        stage=stage, data_size=engine.data_size, num_params=num_params,
         compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, by_dtype=by_dtype, total_bytes=total,
-        theory_bytes=theory_bytes(engine.config.zero_stage, num_params, engine.data_size, compute, grad),
-        unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives])
+        # With a pipe or tensor axis the whole-step theory is the sum of the axes that have one.
+        theory_bytes=(sum(theory_by_axis.values()) if len(engine.mesh.shape) > 1 and
+                      (engine.mesh.shape.get("pipe", 1) > 1 or engine.mesh.shape.get("tensor", 1) > 1)
+                      else theory_bytes(stage, num_params, engine.data_size, compute, grad)),
+        unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives],
+        by_axis=by_axis, theory_by_axis=theory_by_axis, permute_bytes=permute, permute_theory=permute_theory)

@@ -35,7 +35,7 @@ from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_lo
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
 from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute, loss_remat_policy
-from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook
+from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
 from zeroflax.pipeline.schedule import build_schedule
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, build_mesh, pipe_size
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, make_plan
@@ -102,6 +102,7 @@ class Engine:
         stages = pipe_size(self.mesh)
         self.manual_axes = {DATA_AXIS, PIPE_AXIS} if stages > 1 else {DATA_AXIS}
         self.schedule = None
+        self.pipeline_activation = None  # set when the pipelined step is traced
         if stages > 1:
             layers = check_pipeline(config, plan.placements, stages, abstract_model_state is not None)
             self.layers_per_chunk = layers // (stages * config.pipeline_virtual_stages)
@@ -250,6 +251,10 @@ class Engine:
         if self.schedule is not None:
             grads, loss, aux = self._pipeline_grads(params, micro, device_rng, scale * weight, ctx, point_of_use)
             grads = self.grad_sync.final(grads)
+            # Leaves every stage holds (embeddings, the head, tied ones too) got a gradient from the
+            # stages that use them: their sum over `pipe` (after ZeRO's reduction: on shards when sharded).
+            shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else jax.lax.psum(g, PIPE_AXIS)
+            grads = jax.tree.map(shared, self.plan.placements, grads, is_leaf=_is_placement)
             grads = jax.tree.map(lambda g: g / scale, grads)
             return grads, jax.lax.pmean(loss, DATA_AXIS), jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux), None
 
@@ -290,8 +295,8 @@ class Engine:
 
     def _pipeline_grads(self, params, micro, rng, seed, ctx, point_of_use):
         """Per device (manual over `data` and `pipe`): the schedule's micro-batches through this stage.
-        Returns (gradients, mean loss, mean aux); gradients of leaves every stage holds (embeddings,
-        the head: tied ones included) are summed over `pipe`, so every stage updates them alike."""
+        Returns (this stage's gradients, mean loss, mean aux); the caller sums the gradients of leaves
+        every stage holds over `pipe`, so every stage updates them alike."""
         chunk = self.layers_per_chunk
         accum = self.config.grad_accum_steps
 
@@ -306,15 +311,18 @@ class Engine:
 
         first = jax.tree.map(lambda x: x[0], micro)
         activation = jax.eval_shape(lambda p: piece(p, first, rng, None, 0, "first"), params)
+        self.pipeline_activation = activation  # one micro-batch's stage input (the comm report's unit)
         aux_shape = jax.eval_shape(lambda p, x: piece(p, first, rng, x, 0, "last")[1], params, activation)
         grads, loss, aux = run_schedule(self.schedule, piece, params, micro, rng, seed, activation,
                                         self.grad_sync.per_microbatch, chunk, aux_shape)
-        shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else jax.lax.psum(g, PIPE_AXIS)
-        grads = jax.tree.map(shared, self.plan.placements, grads, is_leaf=_is_placement)
         # Only the last stage computed losses: the sum over `pipe` is theirs.
         loss = jax.lax.psum(loss, PIPE_AXIS) / accum
         aux = jax.tree.map(lambda a: jax.lax.psum(a, PIPE_AXIS) / accum, aux)
         return grads, loss, aux
+
+    def pipeline_tables(self):
+        """The schedule as the arrays the step executes (pipeline.executor.Tables); None without one."""
+        return tables(self.schedule) if self.schedule is not None else None
 
     def pipeline_schedule(self) -> list | None:
         """For each pipeline stage, what it runs at each tick of the compiled step: ('F', micro_batch),

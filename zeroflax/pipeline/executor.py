@@ -33,6 +33,9 @@ PIPE_AXIS = "pipe"  # the same name as zeroflax.sharding.mesh.PIPE_AXIS (this mo
 # Branches of the per-tick switch. "first": the first virtual stage (runs the loss's code before the
 # layers); "last": the last one (runs the code after them and the loss); "mid": every other.
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
+# Named scopes of a tick's regions in the HLO metadata: the comm report counts their collectives by
+# how often the schedule runs them, not once per tick.
+SEND_SCOPE, OP_SCOPE = "zeroflax_pipe_send[", "zeroflax_pipe_op["
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,19 @@ class Tables:
     recv_ct_slot: np.ndarray  # slot to file the cotangent arriving at the end of this tick; -1 none
     act_slots: int
     ct_slots: int
+    # The sends of each tick, exactly: patterns[k] is a tuple of (source, destination, 'act' or 'ct'),
+    # send_pattern[t] the pattern of tick t (the same on every device). Only those pairs communicate.
+    patterns: tuple = ()
+    send_pattern: np.ndarray = None
+
+    def tick_weights(self) -> dict:
+        """The share of ticks in which each named region of the tick runs: a send pattern (the same on
+        every device), a stage branch (averaged over the stages). For the communication report."""
+        ticks = len(self.send_pattern)
+        weights = {f"{SEND_SCOPE}{k}]": float(np.sum(self.send_pattern == k)) / ticks for k in range(len(self.patterns))}
+        for b in range(B_LAST + 1):
+            weights[f"{OP_SCOPE}{b}]"] = float(np.mean(np.sum(self.branch == b, axis=0))) / ticks
+        return weights
 
 
 def _allocate(events: dict, S: int, num_ticks: int):
@@ -90,8 +106,9 @@ def tables(schedule: Schedule) -> Tables:
     ct_slot, ct_slots = _allocate(cts, S, T)
 
     shape = (T, S)
-    branch, micro, chunk, in_slot = (np.zeros(shape, np.int32) for _ in range(4))
+    branch, micro, chunk, in_slot, ct_in = (np.zeros(shape, np.int32) for _ in range(5))
     recv_act, recv_ct = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+    sends = [[] for _ in range(T)]  # per tick: (source, destination, 'act' or 'ct')
     for t, row in enumerate(schedule.ticks):
         for s, op in enumerate(row):
             if op is None:
@@ -104,15 +121,17 @@ def tables(schedule: Schedule) -> Tables:
             if op.kind == "F" and k < last:
                 receiver = (k + 1) % S
                 recv_act[t, receiver] = act_slot[(receiver, (op.micro, k + 1))]
+                sends[t].append((s, receiver, "act"))
+            if op.kind == "B" and k < last:
+                ct_in[t, s] = ct_slot[(s, (op.micro, k))]
             if op.kind == "B" and k > 0:
                 receiver = (k - 1) % S
                 recv_ct[t, receiver] = ct_slot[(receiver, (op.micro, k - 1))]
-    ct_in = np.zeros(shape, np.int32)
-    for t, row in enumerate(schedule.ticks):
-        for s, op in enumerate(row):
-            if op is not None and op.kind == "B" and op.chunk * S + s < last:
-                ct_in[t, s] = ct_slot[(s, (op.micro, op.chunk * S + s))]
-    return Tables(branch, micro, chunk, np.stack([in_slot, ct_in], -1), recv_act, recv_ct, act_slots, ct_slots)
+                sends[t].append((s, receiver, "ct"))
+    patterns = sorted({tuple(sorted(x)) for x in sends})
+    send_pattern = np.array([patterns.index(tuple(sorted(x))) for x in sends], np.int32)
+    return Tables(branch, micro, chunk, np.stack([in_slot, ct_in], -1), recv_act, recv_ct, act_slots, ct_slots,
+                  tuple(patterns), send_pattern)
 
 
 # ------------------------------------------------------------------------------ the stage hook
@@ -250,14 +269,14 @@ def run_schedule(schedule: Schedule, piece: Callable, params, micro, rng, seed, 
         branch = at(tab.branch, t)
         if _observers:
             jax.debug.callback(functools.partial(_notify, tuple(_observers)), stage, t, branch, m, v)
-        act_out, ct_out, grads, loss_sum, aux_sum = jax.lax.switch(branch, branches, None)
-        # Activations go to the next device, cotangents to the previous one (around the ring when a
-        # device holds several virtual stages).
-        ring = schedule.virtual > 1
-        forward_pairs = [(s, s + 1) for s in range(S - 1)] + ([(S - 1, 0)] if ring else [])
-        backward_pairs = [(s + 1, s) for s in range(S - 1)] + ([(0, S - 1)] if ring else [])
-        act_recv = jax.lax.ppermute(act_out, PIPE_AXIS, forward_pairs)
-        ct_recv = jax.lax.ppermute(ct_out, PIPE_AXIS, backward_pairs)
+        act_out, ct_out, grads, loss_sum, aux_sum = jax.lax.switch(
+            branch, [_scoped(f"{OP_SCOPE}{b}]", fn) for b, fn in enumerate(branches)], None)
+        # Activations go to the next stage, cotangents to the previous one: exactly the pairs this
+        # tick's pattern names (the same pattern on every device, so the switch is uniform).
+        act_recv, ct_recv = jax.lax.switch(
+            jnp.asarray(tab.send_pattern)[t],
+            [_scoped(f"{SEND_SCOPE}{k}]", functools.partial(_exchange, p)) for k, p in enumerate(tab.patterns)],
+            act_out, ct_out)
         acts = _file(acts, act_recv, at(tab.recv_act_slot, t))
         cts = _file(cts, ct_recv, at(tab.recv_ct_slot, t))
         return (acts, cts, grads, loss_sum, aux_sum), None
@@ -265,6 +284,21 @@ def run_schedule(schedule: Schedule, piece: Callable, params, micro, rng, seed, 
     carry = (acts0, cts0, grads0, loss0, aux0)
     (_, _, grads, loss_sum, aux_sum), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
     return grads, loss_sum, aux_sum
+
+
+def _scoped(name: str, fn: Callable) -> Callable:
+    def run(*args):
+        with jax.named_scope(name):
+            return fn(*args)
+    return run
+
+
+def _exchange(pattern, act_out, ct_out):
+    """One tick's sends: activations and cotangents along exactly the pairs of `pattern`."""
+    def send(value, which):
+        pairs = [(a, b) for a, b, w in pattern if w == which]
+        return jax.lax.ppermute(value, PIPE_AXIS, pairs) if pairs else jnp.zeros_like(value)
+    return send(act_out, "act"), send(ct_out, "ct")
 
 
 def add(a, b):
