@@ -95,7 +95,7 @@ def run_and_compare(config, layers=4, tie=True):
     engine, state = zeroflax.initialize(loss, boxed, optimizer, config)
     for batch in batches:
         state, metrics = engine.step(state, batch)
-    assert relative_error(jax.device_get(state.params), reference) <= TOL
+    assert relative_error(jax.device_get(engine.model_params(state)), reference) <= TOL
     return engine, state
 
 
@@ -113,9 +113,39 @@ def test_data_pipe_tensor(stage):
     assert spec[0] == "pipe" and "tensor" in spec and (("data" in spec) == (stage == 3)), spec
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_schedules_on_pipe_4(schedule):
-    run_and_compare(pipeline_config({"data": 2, "pipe": 4, "tensor": 1}, 1, schedule, micro_batches=8), layers=4)
+    virtual = 2 if schedule == "interleaved" else 1
+    run_and_compare(pipeline_config({"data": 2, "pipe": 4, "tensor": 1}, 1, schedule, micro_batches=8,
+                                    pipeline_virtual_stages=virtual), layers=4 * virtual)
+
+
+def test_interleaved_stores_layers_in_pipeline_order_and_checkpoints_model_order(tmp_path):
+    """Device s holds virtual stages s, S + s: the engine keeps the stacked layers in that order, and
+    evaluation, model_params and checkpoints see model order, so a checkpoint restores on data 8."""
+    from zeroflax.checkpoint import Checkpointer
+
+    boxed, loss, batches = gpt_case(layers=8)
+    config = pipeline_config({"data": 2, "pipe": 4, "tensor": 1}, 0, "interleaved", micro_batches=4,
+                             pipeline_virtual_stages=2)
+    engine, state = zeroflax.initialize(loss, boxed, optax.adam(1e-3), config)
+    stored, model = jax.device_get(state.params["w_in"]), np.asarray(zeroflax.unbox(boxed)[0]["w_in"])
+    # 8 layers, S = 4, V = 2: device s holds rows 2s, 2s + 1 = virtual stages s and 4 + s.
+    for row, layer in enumerate([0, 4, 1, 5, 2, 6, 3, 7]):
+        np.testing.assert_array_equal(stored[row], model[layer])
+    np.testing.assert_array_equal(jax.device_get(engine.model_params(state))["w_in"], model)
+    state, _ = engine.step(state, batches[0])
+    expected = loss(jax.device_get(engine.model_params(state)), batches[1], None)
+    assert float(engine.evaluate(state, batches[1])) == pytest.approx(float(expected), rel=1e-5)
+
+    checkpoints = Checkpointer(str(tmp_path / "ckpt"), every=1)
+    checkpoints.save(1, state, {}, {}, view=engine.model_order)
+    checkpoints.close()
+    flat, flat_state = zeroflax.initialize(loss, boxed, optax.adam(1e-3), Config(micro_batch_size=4))
+    restored, _, _ = Checkpointer(str(tmp_path / "ckpt")).restore(None, flat_state, flat.state_shardings)
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored.params)),
+                    jax.tree.leaves(jax.device_get(engine.model_params(state)))):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_untied_embeddings():
@@ -124,18 +154,22 @@ def test_untied_embeddings():
     run_and_compare(pipeline_config({"data": 4, "pipe": 2, "tensor": 1}, 2, micro_batches=4), tie=False)
 
 
-def test_executed_order_is_the_schedule():
-    """What the compiled step runs, tick by tick on every device, is engine.pipeline_schedule()."""
-    boxed, loss, batches = gpt_case()
-    config = pipeline_config({"data": 2, "pipe": 4, "tensor": 1}, micro_batches=4)
+@pytest.mark.parametrize("schedule_name,virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_executed_order_is_the_schedule(schedule_name, virtual):
+    """What the compiled step runs, tick by tick on every device, is engine.pipeline_schedule() (for 1f1b:
+    DeepSpeed's TrainSchedule)."""
+    boxed, loss, batches = gpt_case(layers=4 * virtual)
+    config = pipeline_config({"data": 2, "pipe": 4, "tensor": 1}, 0, schedule_name, micro_batches=4,
+                             pipeline_virtual_stages=virtual)
     engine, state = zeroflax.initialize(loss, boxed, optax.sgd(0.1), config)
     seen = {}
     with observe_ticks(lambda stage, tick, kind, micro, chunk: seen.setdefault((stage, tick), set()).add(
-            None if kind is None else (kind, micro))):
+            None if kind is None else ((kind, micro) if virtual == 1 else (kind, micro, chunk)))):
         state, _ = engine.step(state, batches[0])
         jax.block_until_ready(state)
     schedule = engine.pipeline_schedule()
-    assert schedule == [deepspeed_train_schedule(4, 4, s) for s in range(4)]
+    if schedule_name == "1f1b":
+        assert schedule == [deepspeed_train_schedule(4, 4, s) for s in range(4)]
     for s, ops in enumerate(schedule):
         for t, op in enumerate(ops):
             assert seen[(s, t)] == {op}, (s, t)  # both data replicas of the stage ran the same op
@@ -199,10 +233,10 @@ INVALID = {
     "model without stacked layers": (
         lambda: zeroflax.initialize(plain_loss, {"w": jnp.ones((4, 8))}, optax.sgd(0.1),
                                     Config(mesh=PIPE2, grad_accum_steps=2)), "MeshConfig.axes['pipe']"),
-    "interleaved is not executed yet": (
-        lambda: zeroflax.initialize(*init_gpt(8), optax.sgd(0.1), Config(
-            mesh=PIPE2, grad_accum_steps=2, pipeline_schedule="interleaved", pipeline_virtual_stages=2)),
-        "Config.pipeline_schedule"),
+    "layers not divisible by stages x virtual stages": (
+        lambda: zeroflax.initialize(*init_gpt(4), optax.sgd(0.1), Config(
+            mesh=PIPE2, grad_accum_steps=2, pipeline_schedule="interleaved", pipeline_virtual_stages=4)),
+        "Config.pipeline_virtual_stages"),
     "stacked layers the loss does not run with scan_layers": (
         lambda: step_once(stacked_without_scan_layers), "MeshConfig.axes['pipe']"),
     "model state": (

@@ -53,8 +53,13 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False) -> bool:
-        """Start saving (asynchronously); returns whether a checkpoint is being written at this step."""
+    def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False, view=None) -> bool:
+        """Start saving (asynchronously); returns whether a checkpoint is being written at this step.
+        `view` (e.g. `Engine.model_order`) turns the state into what is stored, only when a save happens."""
+        if not force and not self.manager.should_save(step):
+            return False
+        if view is not None:
+            state = view(state)
         args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
                                   train=ocp.args.StandardSave(_train_item(state)),
                                   data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))

@@ -36,7 +36,7 @@ from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
 from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute, loss_remat_policy
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
-from zeroflax.pipeline.schedule import build_schedule
+from zeroflax.pipeline.schedule import build_schedule, interleaved_layer_order
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, build_mesh, pipe_size
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, make_plan
 
@@ -103,11 +103,19 @@ class Engine:
         self.manual_axes = {DATA_AXIS, PIPE_AXIS} if stages > 1 else {DATA_AXIS}
         self.schedule = None
         self.pipeline_activation = None  # set when the pipelined step is traced
+        self.layer_order = None  # storage row -> model layer of the stacked layers, when not the identity
+        self._reorder_jits: dict = {}
         if stages > 1:
             layers = check_pipeline(config, plan.placements, stages, abstract_model_state is not None)
             self.layers_per_chunk = layers // (stages * config.pipeline_virtual_stages)
             self.schedule = build_schedule(config.pipeline_schedule, stages, config.grad_accum_steps,
                                            config.pipeline_virtual_stages)
+            if self.schedule.virtual > 1:
+                # Interleaved: device s runs virtual stages s, S + s, ...; a contiguous split of the
+                # layer axis over `pipe` gives it model layers in one block, so the engine stores the
+                # stacked layers in pipeline order (storage row -> model layer) and converts at the
+                # edges: checkpoints, evaluation, `model_params`.
+                self.layer_order = interleaved_layer_order(layers, stages, config.pipeline_virtual_stages)
         self.state_shardings = TrainState(
             step=plan.replicated, params=plan.params, opt_state=plan.opt_state,
             loss_scale=jax.tree.map(lambda _: plan.replicated, init_loss_scale(config.loss_scale, False)),
@@ -320,6 +328,52 @@ class Engine:
         aux = jax.tree.map(lambda a: jax.lax.psum(a, PIPE_AXIS) / accum, aux)
         return grads, loss, aux
 
+    # ------------------------------------------------------------------------- layer storage order
+    def _take_layers(self, index):
+        """A function moving the stacked layers of params (and of the optimizer state's parameter-shaped
+        leaves) to rows `index` along the layer axis."""
+        index = jnp.asarray(index)
+
+        def take(leaf, placement):
+            if hasattr(leaf, "shape") and placement.stacked and tuple(leaf.shape) == placement.shape:
+                return jnp.take(leaf, index, axis=0)
+            return leaf
+
+        def params(tree):
+            return jax.tree.map(take, tree, self.plan.placements)
+
+        def state(st: TrainState) -> TrainState:
+            opt_state = optax.tree_map_params(self.optimizer, take, st.opt_state, self.plan.placements,
+                                              transform_non_params=lambda x: x, is_leaf=_is_placement)
+            return st.replace(params=params(st.params), opt_state=opt_state)
+
+        return params, state
+
+    def _reordered(self, what: str, tree, to_model: bool):
+        if self.layer_order is None:
+            return tree
+        key = (what, to_model)
+        if key not in self._reorder_jits:
+            index = np.argsort(self.layer_order) if to_model else self.layer_order
+            params_fn, state_fn = self._take_layers(index)
+            fn, out = (params_fn, self.plan.params) if what == "params" else (state_fn, self.state_shardings)
+            self._reorder_jits[key] = jax.jit(fn, out_shardings=out)
+        return self._reorder_jits[key](tree)
+
+    def model_order(self, state: TrainState) -> TrainState:
+        """The state with its stacked layers in model order: what checkpoints hold, so they restore on
+        any mesh. The identity except under the interleaved schedule, which stores them in pipeline
+        order (see `layer_order`)."""
+        return self._reordered("state", state, True)
+
+    def storage_order(self, state: TrainState) -> TrainState:
+        """The inverse of `model_order`: a model-order state (fresh, or restored) as this engine holds it."""
+        return self._reordered("state", state, False)
+
+    def model_params(self, state: TrainState):
+        """`state.params` in model order (layer i of the stack is the model's layer i)."""
+        return self._reordered("params", state.params, True)
+
     def pipeline_tables(self):
         """The schedule as the arrays the step executes (pipeline.executor.Tables); None without one."""
         return tables(self.schedule) if self.schedule is not None else None
@@ -430,8 +484,12 @@ class Engine:
         whose update it returns is discarded: evaluation uses the statistics, never changes them."""
         batch = self.put_batch(batch)
         if self._jit_eval is None:
+            model_order = self._take_layers(np.argsort(self.layer_order))[0] if self.layer_order is not None else None
+
             def eval_loss(params, batch, model_state):
                 dtype = self.config.compute_dtype
+                if model_order is not None:
+                    params = model_order(params)
                 loss, _, _ = self._call_loss(_floats_to(params, dtype), _floats_to(batch, dtype), None, model_state)
                 return loss.astype(jnp.float32)
             self._jit_eval = jax.jit(eval_loss, out_shardings=self.plan.replicated)
@@ -461,12 +519,6 @@ class Engine:
 def check_pipeline(config: Config, placements, stages: int, has_model_state: bool) -> int:
     """The number of stacked layers a pipeline of `stages` splits; ConfigError when it cannot."""
     key = f"MeshConfig.axes['{PIPE_AXIS}']"
-    if config.pipeline_schedule == "interleaved":
-        # Virtual stage v*S + s must hold model layers block v*S + s, which a contiguous split of the
-        # layer axis over `pipe` does not give; the table exists (build_schedule), execution does not.
-        raise ConfigError("Config.pipeline_schedule", "the interleaved schedule is not executed yet: its chunks "
-                          "need the stacked layers stored out of model order across the pipe axis",
-                          "use '1f1b' or 'gpipe'")
     if has_model_state:
         raise ConfigError(key, f"a pipeline ({stages} stages) with model state (initialize(model_state=...)) is "
                           "not supported: each stage would hold its own statistics", "set the pipe axis to 1")
@@ -565,5 +617,5 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
         rng=step_rng,
         model_state=init_state,
     )
-    state = jax.device_put(state, engine.state_shardings)
+    state = engine.storage_order(jax.device_put(state, engine.state_shardings))
     return engine, state

@@ -155,6 +155,7 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
                           f"{latest})", "pass --resume to continue it, or choose another workdir")
     if resume and latest is not None:
         state, data_state, _ = checkpoints.restore(latest, state, engine.state_shardings)
+        state = engine.storage_order(state)  # checkpoints hold the layers in model order
         loader.restore(data_state)
         say(f"resumed from step {latest} in {checkpoints.directory}")
     elif resume:
@@ -196,7 +197,7 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
             bpb = validation_bits_per_byte(engine, state, val_tokens, tc)
             metrics_log.write(done, val_bits_per_byte=bpb)
             bar.write(f"step {done}: validation {bpb:.3f} bits per byte")
-        checkpoints.save(done, state, loader.state(), meta, force=done == end)
+        checkpoints.save(done, state, loader.state(), meta, force=done == end, view=engine.model_order)
         bar.update(1)
     bar.close()
     checkpoints.close()
@@ -207,7 +208,7 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
         f"checkpoint in {checkpoints.directory}")
     text = ""
     if is_main and tc.sample_length:
-        params = jax.device_get(state.params)
+        params = jax.device_get(engine.model_params(state))
         text = generate_text(model_config, params, tc.sample_prompt, tc.sample_length, tc.sample_temperature)
         print("sample:\n" + text)
     return {"val_bpb_before": bpb_before, "val_bpb_after": bpb_after, "final_loss": loss, "steps": end,
