@@ -36,7 +36,8 @@ from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
 from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute, loss_remat_policy
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
-from zeroflax.pipeline.schedule import build_schedule, interleaved_layer_order
+from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order, take_layers
+from zeroflax.pipeline.schedule import build_schedule
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, build_mesh, pipe_size
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, make_plan
 
@@ -329,33 +330,13 @@ class Engine:
         return grads, loss, aux
 
     # ------------------------------------------------------------------------- layer storage order
-    def _take_layers(self, index):
-        """A function moving the stacked layers of params (and of the optimizer state's parameter-shaped
-        leaves) to rows `index` along the layer axis."""
-        index = jnp.asarray(index)
-
-        def take(leaf, placement):
-            if hasattr(leaf, "shape") and placement.stacked and tuple(leaf.shape) == placement.shape:
-                return jnp.take(leaf, index, axis=0)
-            return leaf
-
-        def params(tree):
-            return jax.tree.map(take, tree, self.plan.placements)
-
-        def state(st: TrainState) -> TrainState:
-            opt_state = optax.tree_map_params(self.optimizer, take, st.opt_state, self.plan.placements,
-                                              transform_non_params=lambda x: x, is_leaf=_is_placement)
-            return st.replace(params=params(st.params), opt_state=opt_state)
-
-        return params, state
-
     def _reordered(self, what: str, tree, to_model: bool):
         if self.layer_order is None:
             return tree
         key = (what, to_model)
         if key not in self._reorder_jits:
             index = np.argsort(self.layer_order) if to_model else self.layer_order
-            params_fn, state_fn = self._take_layers(index)
+            params_fn, state_fn = take_layers(index, self.plan.placements, self.optimizer)
             fn, out = (params_fn, self.plan.params) if what == "params" else (state_fn, self.state_shardings)
             self._reorder_jits[key] = jax.jit(fn, out_shardings=out)
         return self._reorder_jits[key](tree)
@@ -484,7 +465,8 @@ class Engine:
         whose update it returns is discarded: evaluation uses the statistics, never changes them."""
         batch = self.put_batch(batch)
         if self._jit_eval is None:
-            model_order = self._take_layers(np.argsort(self.layer_order))[0] if self.layer_order is not None else None
+            model_order = (take_layers(np.argsort(self.layer_order), self.plan.placements, self.optimizer)[0]
+                           if self.layer_order is not None else None)
 
             def eval_loss(params, batch, model_state):
                 dtype = self.config.compute_dtype
@@ -514,30 +496,6 @@ class Engine:
     def comm_report(self, state, batch):
         from zeroflax.comm import comm_report
         return comm_report(self, state, batch)
-
-
-def check_pipeline(config: Config, placements, stages: int, has_model_state: bool) -> int:
-    """The number of stacked layers a pipeline of `stages` splits; ConfigError when it cannot."""
-    key = f"MeshConfig.axes['{PIPE_AXIS}']"
-    if has_model_state:
-        raise ConfigError(key, f"a pipeline ({stages} stages) with model state (initialize(model_state=...)) is "
-                          "not supported: each stage would hold its own statistics", "set the pipe axis to 1")
-    stacked = [p for p in jax.tree.leaves(placements, is_leaf=_is_placement) if p.stacked]
-    if not stacked:
-        raise ConfigError(key, f"{stages} pipeline stages, but the model has no stacked layers (no leaf whose first "
-                          "logical axis is 'layers') to split over them",
-                          "stack the layers and run them with zeroflax.scan_layers, or set the pipe axis to 1")
-    depths = {p.shape[0] for p in stacked}
-    if len(depths) > 1:
-        raise ConfigError(key, f"the stacked leaves disagree on the number of layers: {sorted(depths)}",
-                          "give every leaf of the layer stack the same leading 'layers' dimension")
-    layers = depths.pop()
-    parts = stages * config.pipeline_virtual_stages
-    if layers % parts:
-        which = "Config.pipeline_virtual_stages" if config.pipeline_virtual_stages > 1 else key
-        raise ConfigError(which, f"{layers} layers do not split into {stages} stages x "
-                          f"{config.pipeline_virtual_stages} virtual stages", f"use a layer count divisible by {parts}")
-    return layers
 
 
 def _split_variables(tree, collections: tuple):

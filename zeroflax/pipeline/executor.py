@@ -2,11 +2,11 @@
 
 Every device runs the same program: a `lax.scan` over the schedule's ticks. At each tick a device
 looks up, in the schedule's table, what its stage does (run a forward, run a backward, or nothing)
-and for which micro-batch and chunk, runs that branch of a `lax.switch`, then sends the activation it
-produced to the next stage and the input cotangent to the previous one (`ppermute`), and files what
-it received into its buffers. Nothing here knows the model: a stage's computation is `piece(role,
-params, micro_batch, rng, x, chunk)`, the user's loss with its one `scan_layers` call restricted to
-one chunk of this device's layers (see `stage_hook`).
+and for which micro-batch and chunk, runs that branch of a `lax.switch`, then sends activations to the
+next stage and input cotangents to the previous one along exactly the pairs the table names for that
+tick (`ppermute`), and files what it received into its buffers. Nothing here knows the model: a
+stage's computation is `piece(params, micro_batch, rng, x, start, role)`, the user's loss with its one
+`scan_layers` call restricted to one chunk of this device's layers (see `stage_hook`).
 
 Backward passes recompute their stage's forward from the stored input (`jax.vjp` in the backward
 branch), so a stage keeps only its inputs for the micro-batches in flight: the schedule's
@@ -203,7 +203,8 @@ def run_schedule(schedule: Schedule, piece: Callable, params, micro, rng, seed, 
     """Loss sum, aux sum and accumulated parameter gradients of this device's micro-batches.
 
     piece(params, micro_batch, rng, x, start, role) -> the chunk's output (role 'first'/'mid') or
-    (loss, aux) (role 'last', the loss a float32 scalar), where `start` is the chunk's first layer among this device's.
+    (loss, aux) (role 'last', the loss a float32 scalar); `start` is the chunk's first layer among
+    this device's.
     `seed` scales every micro-batch's loss cotangent (loss scale x the step's weight). Gradients of
     leaves shared by all stages (embeddings, the head) are this stage's contribution only: the
     caller sums them over `pipe`.

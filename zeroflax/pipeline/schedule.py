@@ -157,17 +157,3 @@ def build_schedule(name: str, stages: int, micro_batches: int, virtual: int = 1)
     ticks = tuple(tuple(table.get((t, s)) for s in range(S)) for t in range(num_ticks))
     return Schedule(name, S, M, V if name == "interleaved" else 1, ticks)
 
-
-def interleaved_layer_order(layers: int, stages: int, virtual: int):
-    """Storage row -> model layer for the interleaved schedule. Device s holds rows [s·V·c, (s+1)·V·c)
-    (a contiguous split over `pipe`, c = L/(S·V)); its chunk v (rows s·V·c + v·c + i) must be virtual stage
-    v·S + s, i.e. model layer (v·S + s)·c + i."""
-    import numpy as np
-
-    c = layers // (stages * virtual)
-    order = np.empty(layers, np.int32)
-    for s in range(stages):
-        for v in range(virtual):
-            for i in range(c):
-                order[s * virtual * c + v * c + i] = (v * stages + s) * c + i
-    return order
