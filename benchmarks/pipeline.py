@@ -7,7 +7,7 @@ simulated CPU devices. Compile-only: nothing is trained.
    interleaved table (V = 2), against (S-1)/(V M + S-1).
 2. Memory, pipe 4 x data 2, the GPT below in fp32: XLA temporaries at M = 8 and 16 for 1f1b and gpipe,
    against one micro-batch's stage input; model states at rest against 1/(S T) (stage 0) and
-   1/(S T D) (stage 3) of the whole.
+   1/(S T D) (stage 3) of the whole, on three meshes (S = 2 and 4).
 3. Communication, pipe 2 x data 2 x tensor 2 at ZeRO stages 0-3 (and pipe 4 x data 2): bytes per device
    per step by mesh axis beside each axis's theory; the pipeline's sends beside the schedule's.
 """
@@ -68,11 +68,14 @@ def main(argv=None):
 
     # Layers dominate here (as in a large model): embeddings, which every stage holds whole, are ~1%.
     wide = GPT(GPTConfig(num_layers=8, d_model=256, num_heads=4, max_len=32))
-    for stage in (0, 3):
-        engine, state, batch = engine_for(wide, {"data": 2, "pipe": 2, "tensor": 2}, stage, "1f1b", 2, 1, 32)
-        report = engine.memory_report(state, batch)
-        results["at_rest"][stage] = {"at_rest_mib": report.at_rest / MiB, "theory_mib": report.theory_at_rest / MiB,
-                                     "ratio": report.ratio, "psi": report.num_params}
+    for mesh in ({"data": 2, "pipe": 2, "tensor": 2}, {"data": 2, "pipe": 4, "tensor": 1}, {"data": 1, "pipe": 4, "tensor": 2}):
+        for stage in (0, 3):
+            engine, state, batch = engine_for(wide, mesh, stage, "1f1b", 4, 1, 32)
+            report = engine.memory_report(state, batch)
+            name = " x ".join(f"{k} {v}" for k, v in mesh.items())
+            results["at_rest"][f"{name}, stage {stage}"] = {
+                "at_rest_mib": report.at_rest / MiB, "theory_mib": report.theory_at_rest / MiB,
+                "ratio": report.ratio, "psi": report.num_params}
     print(f"at rest ({time.time() - started:.0f} s)", flush=True)
 
     small = GPT(GPTConfig(num_layers=4, d_model=64, num_heads=2, max_len=32))
@@ -106,9 +109,9 @@ def markdown(r) -> str:
     for schedule in ("1f1b", "gpipe"):
         a, b = m[f"{schedule}_8"], m[f"{schedule}_16"]
         lines.append(f"| {schedule} | {a:.3f} | {b:.3f} | {b - a:.3f} | {(b - a) / m['stage_input_mib']:.1f} |")
-    lines += ["", "| at rest (pipe 2 x data 2 x tensor 2) | Psi | MiB per device | theory MiB | ratio |", "|---|---|---|---|---|"]
-    for stage, row in r["at_rest"].items():
-        lines.append(f"| stage {stage} | {row['psi']:,} | {row['at_rest_mib']:.3f} | {row['theory_mib']:.3f} | {row['ratio']:.3f} |")
+    lines += ["", "| at rest | Psi | MiB per device | theory MiB (1/(S T), x 1/D at stage 3) | ratio |", "|---|---|---|---|---|"]
+    for name, row in r["at_rest"].items():
+        lines.append(f"| {name} | {row['psi']:,} | {row['at_rest_mib']:.3f} | {row['theory_mib']:.3f} | {row['ratio']:.3f} |")
     lines += ["", "| mesh | stage | by axis MiB (measured / theory) | pipeline sends MiB (measured / schedule) |",
               "|---|---|---|---|"]
     for c in r["comm"]:
