@@ -10,6 +10,8 @@ simulated CPU devices. Compile-only: nothing is trained.
    1/(S T D) (stage 3) of the whole, on three meshes (S = 2 and 4).
 3. Communication, pipe 2 x data 2 x tensor 2 at ZeRO stages 0-3 (and pipe 4 x data 2): bytes per device
    per step by mesh axis beside each axis's theory; the pipeline's sends beside the schedule's.
+4. The tensor axis against Megatron's volume for this GPT (`megatron_all_reduces`), with and without a
+   pipeline and remat.
 """
 from __future__ import annotations
 
@@ -42,6 +44,31 @@ def engine_for(model, mesh, stage, schedule, micro_batches, micro_batch_size, se
     engine, state = zeroflax.initialize(next_token_loss(model), lambda r, b: model.init(r, b["tokens"][:1, :-1])[
         "params"], optax.adam(1e-3), config, sample_batch=batch)
     return engine, state, batch
+
+
+def megatron_all_reduces(layers: int, stages: int, micro_batches: int, remat: bool) -> float:
+    """All-reduces of one [batch, seq, d_model] activation over `tensor` per device per step that Megatron's
+    tensor slicing needs for the GPT, averaged over pipeline stages. Per layer and micro-batch: 2 in a
+    forward (attention out, MLP out), 2 in the backward (the inputs of the column-parallel QKV and MLP-in),
+    and 1 per recomputed forward (attention out: it feeds the MLP; the layer's own output is not needed
+    again). The vocab-parallel embedding adds 1 per forward that needs it, the tied head 1 in the backward.
+    Without a pipeline a step runs each layer forward once and, with remat, once more in the backward.
+    With one, a stage that is not the last runs its forward at its F tick, again in the backward tick
+    (where its last layer's output is not needed), and with remat once more; the last stage's F tick
+    only files its input."""
+    L = layers // stages
+    r = 1 if remat else 0
+    if stages == 1:
+        per_micro = L * (2 + 2 + r) + 1 + 1
+    else:
+        first_and_middle = 2 * L + (2 * L - 1) + r * L + 2 * L
+        last = 2 * L + r * L + 2 * L
+        # The embedding (first stage: F tick and backward tick) and the head (last stage's backward).
+        per_stage = [first_and_middle] * (stages - 1) + [last]
+        per_stage[0] += 2
+        per_stage[-1] += 1
+        per_micro = sum(per_stage) / stages
+    return micro_batches * per_micro
 
 
 def main(argv=None):
@@ -88,6 +115,21 @@ def main(argv=None):
                                 "permute_mib": r.permute_bytes / MiB, "permute_theory_mib": r.permute_theory / MiB})
         print(f"comm {mesh} stage {stage} ({time.time() - started:.0f} s)", flush=True)
 
+    results["tensor"] = []
+    for mesh, M, remat in [({"data": 4, "tensor": 2}, 1, "none"), ({"data": 4, "tensor": 2}, 1, "full"),
+                           ({"data": 2, "pipe": 2, "tensor": 2}, 8, "full")]:
+        config = zeroflax.Config(mesh=zeroflax.MeshConfig(mesh), micro_batch_size=2, grad_accum_steps=M,
+                                 persistence_threshold=0, remat=remat)
+        batch = {"tokens": np.zeros((mesh["data"] * 2 * M, 33), np.int32)}
+        engine, state = zeroflax.initialize(next_token_loss(small), lambda r, b: small.init(r, b["tokens"][:1, :-1])[
+            "params"], optax.adam(1e-3), config, sample_batch=batch)
+        measured = engine.comm_report(state, batch).by_axis.get("tensor", 0.0)
+        activation = 2 * 32 * 64 * 4  # [2, 32, 64] fp32; an all-reduce over T = 2 moves 2 R (T-1)/T = R
+        theory = megatron_all_reduces(4, mesh.get("pipe", 1), M, remat != "none") * activation
+        results["tensor"].append({"mesh": mesh, "micro_batches": M, "remat": remat, "measured_mib": measured / MiB,
+                                  "megatron_mib": theory / MiB})
+    print(f"tensor ({time.time() - started:.0f} s)", flush=True)
+
     results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=ROOT).stdout.strip()
     print(markdown(results))
@@ -119,6 +161,11 @@ def markdown(r) -> str:
                          for k, v in sorted(c["by_axis_mib"].items()))
         mesh = " x ".join(f"{k} {v}" for k, v in c["mesh"].items())
         lines.append(f"| {mesh} | {c['stage']} | {axes} | {c['permute_mib']:.4f} / {c['permute_theory_mib']:.4f} |")
+    lines += ["", "| tensor axis, stage 0 | M | remat | measured MiB | Megatron MiB | ratio |", "|---|---|---|---|---|---|"]
+    for t in r["tensor"]:
+        mesh = " x ".join(f"{k} {v}" for k, v in t["mesh"].items())
+        lines.append(f"| {mesh} | {t['micro_batches']} | {t['remat']} | {t['measured_mib']:.3f} | {t['megatron_mib']:.3f} "
+                     f"| {t['measured_mib'] / t['megatron_mib']:.3f} |")
     return "\n".join(lines)
 
 
