@@ -34,6 +34,7 @@ from zeroflax.config import Config, ConfigError
 from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_loss_scale
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
+from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute, loss_remat_policy
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order, take_layers
@@ -144,11 +145,12 @@ class Engine:
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 return leaf
             if stage3 and placement.zero_dim is not None:
-                dim = placement.zero_dim - 1 if placement.stacked else placement.zero_dim
+                first = 1 if placement.stacked else 0  # a stack's handle describes one layer
+                dim, sliced = placement.zero_dim - first, placement.auto_spec()[first:]
                 if placement.stacked or index in point_of_use:
-                    shape = placement.shape[1:] if placement.stacked else placement.shape
-                    return ShardedLeaf(leaf, dim, DATA_AXIS, dtype, tuple(shape), index, block)
-                return gather_for_compute(leaf, dim, DATA_AXIS, dtype, block)
+                    shape = placement.shape[first:]
+                    return ShardedLeaf(leaf, dim, DATA_AXIS, dtype, tuple(shape), index, block, sliced)
+                return gather_for_compute(leaf, dim, DATA_AXIS, dtype, block, sliced)
             return leaf.astype(dtype)
 
         return jax.tree.unflatten(treedef, [prepare(i, p, x) for i, (p, x) in enumerate(zip(placements, leaves))])
@@ -262,7 +264,8 @@ class Engine:
             grads = self.grad_sync.final(grads)
             # Leaves every stage holds (embeddings, the head, tied ones too) got a gradient from the
             # stages that use them: their sum over `pipe` (after ZeRO's reduction: on shards when sharded).
-            shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else jax.lax.psum(g, PIPE_AXIS)
+            shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else on_slices(
+                lambda x: jax.lax.psum(x, PIPE_AXIS), g, p.auto_spec())
             grads = jax.tree.map(shared, self.plan.placements, grads, is_leaf=_is_placement)
             grads = jax.tree.map(lambda g: g / scale, grads)
             return grads, jax.lax.pmean(loss, DATA_AXIS), jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux), None

@@ -9,7 +9,8 @@ to the accumulated gradients. The ZeRO stages differ only in when a partitioned 
     stage 2   per micro-batch (the accumulator is a shard)
     stage 3   in the backward pass itself (the transpose of the ZeRO-3 gather is a reduce-scatter)
 
-Leaves that stay replicated over `data` (small or indivisible) are all-reduced at the end.
+Leaves that stay replicated over `data` (small or indivisible) are all-reduced at the end. Every
+reduction runs on the leaf's tensor slices (`sharding.manual.on_slices`), never on the whole leaf.
 A compressed scheme (1-bit Adam) replaces this object with its own.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import jax
 
+from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.policy import LeafPlacement
 
@@ -39,7 +41,11 @@ class ZeroGradSync:
         return jax.tree.map(lambda p, g: fn(p, g), self.placements, grads, is_leaf=_is_placement)
 
     def _scatter(self, placement: LeafPlacement, grad):
-        return jax.lax.psum_scatter(grad, self.axis, scatter_dimension=placement.zero_dim, tiled=True)
+        scatter = lambda g: jax.lax.psum_scatter(g, self.axis, scatter_dimension=placement.zero_dim, tiled=True)
+        return on_slices(scatter, grad, placement.auto_spec())
+
+    def _sum(self, placement: LeafPlacement, grad):
+        return on_slices(lambda g: jax.lax.psum(g, self.axis), grad, placement.auto_spec())
 
     def per_microbatch(self, grads):
         if SCATTER_WHEN[self.stage] != "microbatch":
@@ -51,7 +57,7 @@ class ZeroGradSync:
 
         def reduce(p, g):
             if when is None or p.zero_dim is None:
-                return jax.lax.psum(g, self.axis)
+                return self._sum(p, g)
             if when == "final":
                 return self._scatter(p, g)
             return g  # already scattered per micro-batch or in the backward pass

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from zeroflax.pipeline.executor import active_stage, run_stage
+from zeroflax.sharding.manual import on_slices
 
 
 @dataclasses.dataclass
@@ -136,26 +137,31 @@ def _quantized_all_gather(shard, dim: int, axis: str, compute_dtype, block: int)
     return parts.reshape(shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def gather_for_compute(shard, dim: int, axis: str, compute_dtype, quant_block: int = 0):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def gather_for_compute(shard, dim: int, axis: str, compute_dtype, quant_block: int = 0, sliced: tuple = ()):
     """All-gather a ZeRO-3 shard along `dim` over mesh axis `axis`, in `compute_dtype`.
 
     quant_block > 0: ZeRO++'s quantized weights (qwZ): int8 blocks of that many elements travel
     instead of the compute dtype; the gradient is the reduce-scatter of the cotangent either way.
+    sliced: the automatic mesh axis (tensor) slicing each dimension, or None: the gather and its
+    reduce-scatter move this device's tensor slice only (`sharding.manual`).
     """
-    if quant_block:
-        return _quantized_all_gather(shard, dim, axis, compute_dtype, quant_block)
-    return _all_gather(shard.astype(compute_dtype), dim, axis)
+    def gather(shard):
+        if quant_block:
+            return _quantized_all_gather(shard, dim, axis, compute_dtype, quant_block)
+        return _all_gather(shard.astype(compute_dtype), dim, axis)
+
+    return on_slices(gather, shard, sliced)
 
 
-def _gather_fwd(shard, dim, axis, compute_dtype, quant_block):
+def _gather_fwd(shard, dim, axis, compute_dtype, quant_block, sliced):
     # The only residual is a zero-size array carrying the master dtype for the backward cast.
-    return gather_for_compute(shard, dim, axis, compute_dtype, quant_block), jnp.zeros((0,), shard.dtype)
+    return gather_for_compute(shard, dim, axis, compute_dtype, quant_block, sliced), jnp.zeros((0,), shard.dtype)
 
 
-def _gather_bwd(dim, axis, compute_dtype, quant_block, dtype_carrier, cotangent):
-    grad = jax.lax.psum_scatter(cotangent.astype(dtype_carrier.dtype), axis, scatter_dimension=dim, tiled=True)
-    return (grad,)
+def _gather_bwd(dim, axis, compute_dtype, quant_block, sliced, dtype_carrier, cotangent):
+    scatter = lambda c: jax.lax.psum_scatter(c.astype(dtype_carrier.dtype), axis, scatter_dimension=dim, tiled=True)
+    return (on_slices(scatter, cotangent, sliced),)
 
 
 gather_for_compute.defvjp(_gather_fwd, _gather_bwd)
@@ -169,7 +175,8 @@ class ShardedLeaf:
     `dim` is the partitioned dimension of one gathered array. For a stacked-layer leaf that is the
     stacked leaf's dimension minus one: slicing the handle (as `lax.scan` or `nn.scan` does) keeps it a
     handle, and each layer's slice is gathered on its own. `shape` is the whole (gathered) shape of one
-    slice; `index` is the leaf's position in the flattened parameters (for the engine's bookkeeping).
+    slice; `index` is the leaf's position in the flattened parameters (for the engine's bookkeeping);
+    `sliced` names the automatic mesh axis (tensor) slicing each dimension of one slice, or None.
     """
 
     shard: Any
@@ -179,9 +186,11 @@ class ShardedLeaf:
     shape: tuple
     index: int = -1
     quant_block: int = 0
+    sliced: tuple = ()
 
     def tree_flatten(self):
-        return (self.shard,), (self.dim, self.axis, self.compute_dtype, self.shape, self.index, self.quant_block)
+        return (self.shard,), (self.dim, self.axis, self.compute_dtype, self.shape, self.index, self.quant_block,
+                               self.sliced)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -208,13 +217,13 @@ class ShardedLeaf:
         usage = current_usage()
         if usage is not None:
             usage.gathered.add(self.index)
-        return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block)
+        return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block, self.sliced)
 
     def __jax_array__(self):
         usage = current_usage()
         if usage is not None and usage.probe:  # the engine's probe: note the raw use, keep tracing
             usage.raw.add(self.index)
-            return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block)
+            return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block, self.sliced)
         raise TypeError(
             "this parameter is held ZeRO-3 sharded; gather it where it is used with zeroflax.gather(...), run "
             "its module as a gather group (Flax modules are, automatically) or iterate over a stack of layers "

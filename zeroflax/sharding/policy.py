@@ -63,6 +63,11 @@ class LeafPlacement:
         """The spec naming only the `pipe` axis (the stacked layers of a pipeline; empty without one)."""
         return P(*[axis if axis == PIPE_AXIS else None for axis in self.base])
 
+    def auto_spec(self) -> tuple:
+        """Per dimension, the automatic mesh axis (`tensor`) slicing it, or None: the spec of this
+        device's view inside the engine's shard_map, which is manual over `data` and `pipe`."""
+        return tuple(None if axis == PIPE_AXIS else axis for axis in self.base)
+
     def data_spec(self) -> P:
         """The spec naming only the manual axes, `data` and `pipe`: shard_map's in/out spec."""
         axes = list(self.pipe_spec()) + [None] * (len(self.shape) - len(self.pipe_spec()))

@@ -1,0 +1,31 @@
+"""Collectives over the manual axes (`data`, `pipe`) on arrays that the automatic axes (`tensor`) slice.
+
+The engine's step is a `shard_map` manual over `data` (and `pipe`), with `tensor` left to XLA's
+partitioner. Inside such a partially manual region XLA runs a collective over a manual axis on an
+operand replicated over the automatic ones: a tensor-sliced weight is first all-gathered over `tensor`,
+then gathered (ZeRO-3) or reduced (its gradient) over `data` whole, and every tensor device computes
+with the whole weight. Measured (GPT 4 layers d 64, data 4 x tensor 2, fp32): at ZeRO stage 3 the
+tensor axis carried all-gathers of every layer's weights (0.61 MiB per step) instead of Megatron's
+activation all-reduces, and the data axis moved the whole weights instead of their tensor slices.
+
+`on_slices` runs the collective on each device's slice instead: inside a nested `shard_map` that is
+manual over the array's own automatic axes as well, so the collective sees this device's slice and
+the slicing survives it. Outside a shard_map, or for an array no automatic axis slices, it is a call.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+
+def on_slices(fn: Callable, x, spec: tuple):
+    """fn(x) on this device's slice of x, where `spec` names x's automatic mesh axes per dimension
+    (None where a dimension is not sliced); the result is sliced the same way."""
+    axes = {axis for axis in spec if axis is not None}
+    if not axes:
+        return fn(x)
+    sliced = P(*spec)
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=sliced, out_specs=sliced,
+                         axis_names=axes, check_vma=False)(x)
