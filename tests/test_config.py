@@ -53,6 +53,10 @@ INVALID = {
         lambda: zeroflax.initialize(loss_fn, {"w": jnp.ones((4, 12))}, optax.sgd(0.1),
                                     Config(mesh=MeshConfig({"data": 1, "tensor": 8})),
                                     logical_axes={"w": ("embed", "mlp")}), "MeshConfig.axes['tensor']"),
+    "sequence parallel as string": (lambda: Config(sequence_parallel="yes"), "Config.sequence_parallel"),
+    "sequence parallel without a tensor axis": (
+        lambda: zeroflax.initialize(loss_fn, PARAMS, optax.sgd(0.1), Config(sequence_parallel=True)),
+        "Config.sequence_parallel"),
     "logical name without rule": (
         lambda: zeroflax.initialize(loss_fn, PARAMS, optax.sgd(0.1), Config(),
                                     logical_axes={"w": ("embed", "experts")}), "Config.logical_rules"),

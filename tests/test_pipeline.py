@@ -105,12 +105,20 @@ def test_pipe_8():
     assert spec[0] == "pipe", spec
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_data_pipe_tensor(stage):
-    """data 2 x pipe 2 x tensor 2: ZeRO on data, layers split over pipe, heads/mlp/vocab over tensor."""
-    engine, state = run_and_compare(pipeline_config({"data": 2, "pipe": 2, "tensor": 2}, stage))
+@pytest.mark.parametrize("stage,sequence_parallel", [(0, False), (1, False), (2, False), (3, False), (3, True)])
+def test_data_pipe_tensor(stage, sequence_parallel):
+    """data 2 x pipe 2 x tensor 2: ZeRO on data, layers split over pipe, heads/mlp/vocab over tensor; with
+    sequence parallelism too, where the stages send their sequence slices (half the activation)."""
+    engine, state = run_and_compare(pipeline_config({"data": 2, "pipe": 2, "tensor": 2}, stage,
+                                                    sequence_parallel=sequence_parallel))
     spec = state.params["w_in"].sharding.spec
     assert spec[0] == "pipe" and "tensor" in spec and (("data" in spec) == (stage == 3)), spec
+    if sequence_parallel:
+        boxed, loss, batches = gpt_case()
+        report = engine.comm_report(state, batches[0])
+        print(report)
+        assert report.permute_bytes == pytest.approx(report.permute_theory, rel=1e-6)
+        assert 0.95 <= report.by_axis["tensor"] / report.theory_by_axis["tensor"] <= 1.1
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])

@@ -55,6 +55,28 @@ def test_parser_counts_loop_trips_and_groups():
     assert by_kind["collective-permute"].bytes_per_step == 20 * 2 / 8
 
 
+def _one_collective(groups: str) -> str:
+    return ("HloModule m\n\nENTRY %main (a: f32[16]) -> f32[64] {\n"
+            f"  ROOT %ag = f32[64]{{0}} all-gather(%a), channel_id=1, replica_groups={groups}, dimensions={{0}}\n}}\n")
+
+
+@pytest.mark.parametrize("groups, size, axes", [
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", 4, ("data",)),
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", 2, ("tensor",)),
+    ("mesh['axis_0'=1,'axis_1'=4,'axis_2'=2] {'axis_1'}", 4, ("data",)),  # XLA's own factoring of the devices
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_0','axis_1'}", 8, ("data", "tensor")),
+    ("[2,4]<=[4,2]T(1,0)", 4, ("data",)),
+    ("{{0,1},{2,3},{4,5},{6,7}}", 2, ("tensor",)),
+])
+def test_parser_reads_every_replica_group_spelling(groups, size, axes):
+    """XLA writes replica groups as lists, as iota, and (jax 0.10, several mesh axes) as a device mesh with
+    the axes the groups span; a group read as all devices would put a data-axis collective on data+tensor
+    and count (N-1)/N of 8 devices instead of 4."""
+    (collective,), _ = parse_collectives(_one_collective(groups), num_devices=8, mesh_shape={"data": 4, "tensor": 2})
+    assert (collective.group_size, collective.axes) == (size, axes)
+    assert collective.bytes_per_step == pytest.approx(64 * 4 * (size - 1) / size)
+
+
 @pytest.fixture(scope="module")
 def gpt_setup():
     model = GPT(GPTConfig(num_layers=4, d_model=64, num_heads=4, max_len=32))

@@ -11,6 +11,8 @@ R the bytes of the instruction's result and G the size of its replica group:
 The theory of design.md section 4, with N the data-parallel size, b_g the gradient and b_c the
 compute dtype's bytes: stages 0-2 move 2 b_g Psi (N-1)/N, stage 3 (2 b_c + b_g) Psi (N-1)/N; with
 quantized weights (qwZ) b_c = 1 + b_scale/block (int8 elements, one compute-dtype scale per block).
+With M micro-batches per step stage 2 moves (M + 1) b_g Psi (N-1)/N and stage 3 M times its volume
+(`theory_bytes`). The tensor axis is beside Megatron's volume (`megatron_all_reduces`).
 """
 from __future__ import annotations
 
@@ -38,7 +40,6 @@ _CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_c
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[^=]*?\})\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
 
 
 def _array_bytes(type_text: str) -> list[int]:
@@ -48,17 +49,6 @@ def _array_bytes(type_text: str) -> list[int]:
             count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
             sizes.append(count * DTYPE_BYTES[dtype])
     return sizes
-
-
-def _group_size(attrs: str, num_devices: int) -> int:
-    iota = _GROUPS_IOTA.search(attrs)
-    if iota:
-        return int(iota.group(1).split(",")[-1])
-    listed = _GROUPS_LIST.search(attrs)
-    if listed:
-        first = listed.group(1).split("}")[0].strip("{ ")
-        return len([x for x in first.split(",") if x.strip()]) or num_devices
-    return num_devices
 
 
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
@@ -73,8 +63,15 @@ def _pairs(attrs: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", found.group(1))]
 
 
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
 def _first_group(attrs: str, num_devices: int) -> list[int]:
-    """Device (partition) ids of the first replica group; all devices when the groups are implicit."""
+    """Device (partition) ids of the first replica group; all devices when the groups are implicit.
+
+    Three spellings: listed groups `{{0,2},{1,3}}`; iota `[2,2]<=[4]` (optionally transposed, `T(1,0)`);
+    and a device mesh with the axes the groups span, `mesh['axis_0'=2,'axis_1'=2] {'axis_0'}` (ids
+    row-major over that mesh; a group varies along the named axes)."""
     iota = _IOTA_FULL.search(attrs)
     if iota:
         shape = [int(v) for v in iota.group(1).split(",")]
@@ -82,7 +79,16 @@ def _first_group(attrs: str, num_devices: int) -> list[int]:
         ids = np.arange(math.prod(dims)).reshape(dims)
         if iota.group(3):
             ids = ids.transpose([int(v) for v in iota.group(3).split(",")])
-        return [int(v) for v in ids.reshape(shape[0], -1)[0]]
+        return [int(v) for v in ids.reshape(-1, shape[-1])[0]]  # groups of shape[-1] devices
+    on_mesh = _GROUPS_MESH.search(attrs)
+    if on_mesh:
+        axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", on_mesh.group(1))
+        spanned = set(re.findall(r"'([^']+)'", on_mesh.group(2)))
+        if spanned - {name for name, _ in axes} or re.search(r"[:(]", on_mesh.group(2)):
+            raise ValueError(f"replica groups over mesh axes the parser does not know: {on_mesh.group(0)}")
+        ids = np.arange(math.prod(int(size) for _, size in axes)).reshape([int(size) for _, size in axes])
+        index = tuple(slice(None) if name in spanned else 0 for name, _ in axes)
+        return [int(v) for v in ids[index].ravel()]
     listed = _GROUPS_LIST.search(attrs)
     if listed:
         first = listed.group(1).split("}")[0].strip("{ ")
@@ -201,7 +207,7 @@ def parse_collectives(hlo_text: str, num_devices: int, mesh_shape: dict | None =
             # Async "-start" results are tuples (operands..., outputs...): the output is the last array.
             result_bytes = sizes[-1] if opcode.endswith("-start") else sum(sizes)
             dtype = (dtypes[-1] if opcode.endswith("-start") else "/".join(sorted(set(dtypes)))) if dtypes else "?"
-            group = _group_size(rest, num_devices)
+            group = len(_first_group(rest, num_devices))
             count = times
             op_name = _OP_NAME.search(rest)
             if op_name:
@@ -272,11 +278,51 @@ class CommReport:
         return "\n".join(lines)
 
 
-def theory_bytes(stage: int, num_params: int, data_size: int, compute_bytes: float, grad_bytes: int) -> float:
+def theory_bytes(stage: int, num_params: int, data_size: int, compute_bytes: float, grad_bytes: int,
+                 micro_batches: int = 1) -> float:
+    """ZeRO's volume per step over `data`. With M micro-batches, stage 2 reduce-scatters each one's
+    gradients (then all-gathers the updated parameters once) and stage 3 gathers and reduce-scatters per
+    micro-batch, as DeepSpeed does; stages 0 and 1 accumulate locally and reduce once."""
     share = (data_size - 1) / data_size
     if stage == 3:
-        return (2 * compute_bytes + grad_bytes) * num_params * share
+        return micro_batches * (2 * compute_bytes + grad_bytes) * num_params * share
+    if stage == 2:
+        return (micro_batches + 1) * grad_bytes * num_params * share
     return 2 * grad_bytes * num_params * share
+
+
+def megatron_all_reduces(layers: int, stages: int, virtual: int, micro_batches: int, remat: str,
+                         vocab_parallel: bool, sequence_parallel: bool = False) -> float:
+    """All-reduces over `tensor` of one layer activation (a micro-batch's [batch, seq, d_model] on one
+    device) that Megatron's tensor slicing needs per step for a transformer stack, per device
+    (averaged over pipeline stages). Under sequence parallelism an all-reduce is a reduce-scatter plus an
+    all-gather, each counted as half of one.
+
+    Per layer and micro-batch: 2 in a forward (the row-parallel attention-out and MLP-out), 2 in the
+    backward (the inputs of the column-parallel QKV and MLP-in), and per recomputed forward the
+    forward's 2 less the layer's last exit, whose output is not needed again: 1 all-reduce, or under
+    sequence parallelism 2 all-gathers and the attention's reduce-scatter (1.5). Which remat recomputes
+    them (measured): 'full'; the selective policies ('dots', 'dots_no_batch') keep the matmul outputs
+    the all-reduces follow, so they need none, except under sequence parallelism, where the weight
+    gradients need the all-gathered inputs again. A vocab-parallel embedding adds 1 per forward that runs it, a
+    vocab-parallel head 1 in the backward (its input's cotangent); the vocab-parallel cross-entropy's
+    reductions of [batch, seq] scalars are not counted. Without a pipeline each layer runs forward once
+    and, with recomputation, once more in the backward. With one (K = stages x virtual chunks, each a
+    virtual stage), a virtual stage that is not the last runs its forward at its F tick and again at its
+    backward tick (where its last layer's exit is not needed), and with recomputation once more; the
+    last one's F tick only files its input."""
+    exit_cost = 0.5 if sequence_parallel else 1.0
+    recompute = remat == "full" or (sequence_parallel and remat != "none")
+    r = (2 - exit_cost) if recompute else 0.0
+    e = 1 if vocab_parallel else 0
+    if stages == 1:
+        return micro_batches * (layers * (2 + 2 + r) + 2 * e)
+    K = stages * virtual
+    L = layers // K
+    per_virtual = [2 * L + (2 * L - exit_cost) + r * L + 2 * L] * (K - 1) + [2 * L + r * L + 2 * L]
+    per_virtual[0] += 2 * e  # the embedding, at the F tick and again at the backward tick
+    per_virtual[-1] += e  # the head's backward
+    return micro_batches * sum(per_virtual) / stages
 
 
 def _local_elements(abstract, shardings, keep) -> int:
@@ -313,11 +359,13 @@ def comm_report(engine, state, batch) -> CommReport:
     leaves = jax.tree.leaves(engine.abstract_params)
     # This device's parameters once the pipe and tensor axes have split them (ZeRO then splits them N ways).
     local = _local_elements((leaves, without_data, placements), None, lambda p: True)
-    theory_by_axis = {"data": theory_bytes(stage, local, engine.data_size, compute, grad)}
+    accum = engine.config.grad_accum_steps
+    theory_by_axis = {"data": theory_bytes(stage, local, engine.data_size, compute, grad, accum)}
     if engine.schedule is not None and stage >= 2:
-        # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch, and only the first
-        # and last stages use the shared leaves: no formula is claimed for that yet (docs/perf.md has
-        # the measured bytes), so none is printed beside it.
+        # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch and tick, a stage's
+        # backward tick recomputes its forward (gathering again at 3), and only the first and last
+        # stages use the shared leaves: no formula is claimed for that (docs/perf.md has the measured
+        # bytes), so none is printed beside it.
         del theory_by_axis["data"]
     permute = sum(c.bytes_per_step for c in collectives if c.kind == "collective-permute")
     permute_theory = 0.0
@@ -325,17 +373,32 @@ def comm_report(engine, state, batch) -> CommReport:
         S = engine.schedule.stages
         activation = engine.pipeline_activation
         act_bytes = math.prod(activation.shape) * np.dtype(activation.dtype).itemsize
+        if engine.config.sequence_parallel:  # the stages send their sequence slices
+            act_bytes /= engine.mesh.shape.get("tensor", 1)
         sends = sum(len(schedule_tables.patterns[k]) for k in schedule_tables.send_pattern)
         permute_theory = sends * act_bytes / S  # per device: the pairs' sends spread over the S stages
         grads = jax.tree.leaves(engine.plan.grads)
         shared = _local_elements((leaves, grads, placements), None, lambda p: not p.stacked)
         theory_by_axis["pipe"] = permute_theory + 2 * grad * shared * (S - 1) / S
+    tensor = engine.mesh.shape.get("tensor", 1)
+    usage = engine.gather_usage
+    sliced = [p for p in placements if "tensor" in p.base]
+    if tensor > 1 and usage is not None and usage.layer_carry_bytes and any(p.stacked for p in sliced):
+        # Megatron's volume for the stack of layers (an all-reduce moves 2 R (T-1)/T; sequence parallelism's
+        # all-gather + reduce-scatter as much); leaves that are not stacked layers and are sliced are
+        # taken to be a vocab-parallel embedding and head.
+        layers = next(p.shape[0] for p in placements if p.stacked)
+        schedule = engine.schedule
+        count = megatron_all_reduces(layers, schedule.stages if schedule else 1, schedule.virtual if schedule else 1,
+                                     engine.config.grad_accum_steps, engine.config.remat,
+                                     any(not p.stacked for p in sliced), engine.config.sequence_parallel)
+        theory_by_axis["tensor"] = count * 2 * usage.layer_carry_bytes * (tensor - 1) / tensor
     return CommReport(
         stage=stage, data_size=engine.data_size, num_params=num_params,
         compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, by_dtype=by_dtype, total_bytes=total,
         # With a pipe or tensor axis the whole-step theory is the sum of the axes that have one.
         theory_bytes=(sum(theory_by_axis.values()) if len(engine.mesh.shape) > 1 and
                       (engine.mesh.shape.get("pipe", 1) > 1 or engine.mesh.shape.get("tensor", 1) > 1)
-                      else theory_bytes(stage, num_params, engine.data_size, compute, grad)),
+                      else theory_bytes(stage, num_params, engine.data_size, compute, grad, accum)),
         unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives],
         by_axis=by_axis, theory_by_axis=theory_by_axis, permute_bytes=permute, permute_theory=permute_theory)

@@ -165,6 +165,10 @@ class Config:
         (DeepSpeed's TrainSchedule; at most S micro-batches in flight) or 'interleaved' (Megatron's
         interleaved 1F1B over pipeline_virtual_stages chunks per device). See docs/parallelism.md.
     pipeline_virtual_stages: chunks of layers per device for 'interleaved' (at least 2); 1 otherwise.
+    sequence_parallel: Megatron's sequence parallelism: activations the model marks with
+        `zeroflax.sequence_split` (a transformer's residual stream: norms, residual adds) are split along
+        the sequence over the `tensor` axis; row-parallel outputs are reduce-scattered into them and
+        all-gathered before the next column-parallel matmul. Needs a tensor axis larger than 1.
     logical_rules: logical axis name -> mesh axis name (or None), for leaves that carry logical names.
     seed: seeds the per-step rng handed to the loss function.
     """
@@ -185,6 +189,7 @@ class Config:
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int = 1
+    sequence_parallel: bool = False
     logical_rules: tuple = DEFAULT_LOGICAL_RULES
     seed: int = 0
 
@@ -244,6 +249,8 @@ class Config:
             _require(not (interleaved and M % stages), "Config.grad_accum_steps",
                      f"the interleaved schedule needs micro-batches divisible by the {stages} stages, got {M}",
                      f"use a multiple of {stages}")
+        _require(isinstance(self.sequence_parallel, bool), "Config.sequence_parallel",
+                 f"must be True or False, got {self.sequence_parallel!r}")
         rules = tuple(tuple(rule) for rule in self.logical_rules)
         for rule in rules:
             _require(len(rule) == 2 and isinstance(rule[0], str) and (rule[1] is None or isinstance(rule[1], str)),

@@ -101,6 +101,10 @@ class Engine:
         self._probe_usage: GatherUsage | None = None
         self.gather_usage: GatherUsage | None = None
         self.grad_sync = ZeroGradSync(config.zero_stage, plan.placements)
+        if config.sequence_parallel and self.mesh.shape.get("tensor", 1) == 1:
+            raise ConfigError("Config.sequence_parallel", "splits activations over the tensor axis, but the mesh's "
+                              f"tensor axis has 1 device ({dict(self.mesh.shape)})",
+                              "give MeshConfig.axes['tensor'] 2 or more devices, or set sequence_parallel False")
         stages = pipe_size(self.mesh)
         self.manual_axes = {DATA_AXIS, PIPE_AXIS} if stages > 1 else {DATA_AXIS}
         self.schedule = None
@@ -161,7 +165,9 @@ class Engine:
     def _context(self, usage: GatherUsage) -> LayerContext:
         config = self.config
         return LayerContext(remat=config.remat, bucket=config.prefetch_bucket_size,
-                            max_live=config.max_live_parameters, usage=usage)
+                            max_live=config.max_live_parameters, usage=usage,
+                            sequence_parallel=config.sequence_parallel, tensor_size=self.mesh.shape.get("tensor", 1),
+                            logical_rules=config.logical_rules)
 
     def _call_loss(self, params, batch, rng, model_state):
         """(loss, aux, new model state) of the user's loss on one micro-batch."""
@@ -244,6 +250,11 @@ class Engine:
                 f"Config.remat={self.config.remat!r} applies to nothing in this loss: it has no Flax module, "
                 "zeroflax.group block or scanned layers to checkpoint, so all activations are kept (set "
                 "Config.remat='none' to say so, or mark blocks with zeroflax.group)", stacklevel=3)
+        if self.config.sequence_parallel and usage.sequence_splits == 0 and not usage.failed:
+            warnings.warn(
+                "Config.sequence_parallel=True applies to nothing in this loss: it marks no activation with "
+                "zeroflax.sequence_split, so activations stay whole on every tensor device (mark the residual "
+                "stream, as zeroflax.models.gpt does, or set sequence_parallel False)", stacklevel=3)
         return usage
 
     def _local_grads(self, params, batch, rng, scale, model_state):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from zeroflax.config import configurable
+from zeroflax.sharding.tensor import sequence_split, tensor_parallel
 from zeroflax.sharding.layers import scan_layers
 
 
@@ -119,14 +120,26 @@ def dense_causal_attention(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
+def _mlp(h, w_in, b_in, w_out):
+    return jax.nn.gelu(h @ w_in + b_in) @ w_out
+
+
 def block(x, p, attention: Callable = dense_causal_attention):
-    """One decoder layer on x [batch, seq, d_model] with this layer's parameters p."""
+    """One decoder layer on x [batch, seq, d_model] with this layer's parameters p.
+
+    Each sublayer (attention, MLP) is one Megatron pair, column-parallel in and row-parallel out
+    (`tensor_parallel`); under Config.sequence_parallel x arrives split along the sequence (`GPT` splits
+    it after the embedding) and the pairs keep it so: the layer norms and residual adds run on slices.
+    A plain call otherwise, and outside the engine."""
+    def attend(h, w_qkv, w_o):
+        q, k, v = jnp.einsum("btd,dshk->sbthk", h, w_qkv)
+        return jnp.einsum("bthk,hkd->btd", attention(q, k, v), w_o)
+
     h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-    q, k, v = jnp.einsum("btd,dshk->sbthk", h, p["w_qkv"])
-    x = x + jnp.einsum("bthk,hkd->btd", attention(q, k, v), p["w_o"])
+    x = x + tensor_parallel(attend, ("embed", None, "heads", "kv"), ("heads", "kv", "embed"))(h, p["w_qkv"], p["w_o"])
     h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
-    h = jax.nn.gelu(h @ p["w_in"] + p["b_in"])
-    return x + h @ p["w_out"] + p["b_out"]
+    out = tensor_parallel(_mlp, ("embed", "mlp"), ("mlp",), ("mlp", "embed"))(h, p["w_in"], p["b_in"], p["w_out"])
+    return x + out + p["b_out"]
 
 
 def _register_sparsity_configs_with_gin() -> None:
@@ -179,7 +192,7 @@ class GPT(nn.Module):
         ln_bias = self.param("ln_f_bias", nn.with_logical_partitioning(zeros, ("embed",)), (d,))
 
         t = tokens.shape[1]
-        x = jnp.take(embed, tokens, axis=0) + pos[:t]
+        x = sequence_split(jnp.take(embed, tokens, axis=0) + pos[:t])
         attention = c.attention_fn()
         x = scan_layers(lambda h, p: block(h, p, attention), x, layers, remat=self.remat)
         x = layer_norm(x, ln_scale, ln_bias)

@@ -46,6 +46,9 @@ class GatherUsage:
     groups: gather group name -> elements of its parameters (gathered together, dropped after use).
     remat_regions: how many checkpointed regions (groups, scanned layers) the loss has.
     failed: why the probe could not run the loss on handles (then every leaf is gathered on entry).
+    layer_carry_bytes: bytes of the activation one scanned layer takes and returns, for one micro-batch
+        on one device (the unit of the tensor axis's theory in the communication report); 0 if none.
+    sequence_splits: how many activations the loss marks with `sequence_split` (sequence parallelism).
     """
 
     probe: bool = False
@@ -54,6 +57,8 @@ class GatherUsage:
     groups: dict = dataclasses.field(default_factory=dict)
     remat_regions: int = 0
     failed: str | None = None
+    layer_carry_bytes: int = 0
+    sequence_splits: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,9 @@ class LayerContext:
     max_live: int = 0  # Config.max_live_parameters: 0 = no limit; else the next group is gathered early
     #                    (prefetched) only while this group and the next fit in it together
     usage: GatherUsage | None = None
+    sequence_parallel: bool = False  # Config.sequence_parallel: see sharding.tensor
+    tensor_size: int = 1  # the tensor axis's size
+    logical_rules: tuple = ()  # Config.logical_rules: logical axis name -> mesh axis
 
 
 _contexts: list[LayerContext] = []
@@ -315,6 +323,9 @@ def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | 
 
     def run(carry, stacked_params, xs):
         return jax.lax.scan(step, carry, (stacked_params, xs), unroll=unroll)[0]
+
+    if ctx is not None and ctx.usage is not None:
+        ctx.usage.layer_carry_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(carry))
 
     stage = active_stage()  # under a pipeline: only this stage's chunk of the layers, on its input
     if stage is not None:
