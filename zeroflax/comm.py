@@ -25,6 +25,8 @@ import re
 import jax
 import numpy as np
 
+from zeroflax.sharding.tensor import TENSOR_AXIS
+
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1,
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -304,9 +306,9 @@ def megatron_all_reduces(layers: int, stages: int, virtual: int, micro_batches: 
     sequence parallelism 2 all-gathers and the attention's reduce-scatter (1.5). Which remat recomputes
     them (measured): 'full'; the selective policies ('dots', 'dots_no_batch') keep the matmul outputs
     the all-reduces follow, so they need none, except under sequence parallelism, where the weight
-    gradients need the all-gathered inputs again. A vocab-parallel embedding adds 1 per forward that runs it, a
-    vocab-parallel head 1 in the backward (its input's cotangent); the vocab-parallel cross-entropy's
-    reductions of [batch, seq] scalars are not counted. Without a pipeline each layer runs forward once
+    gradients need the all-gathered inputs again. A vocab-parallel embedding adds 1 per forward that
+    runs it, a vocab-parallel head 1 in the backward (its input's cotangent); the vocab-parallel
+    cross-entropy's reductions of [batch, seq] scalars are not counted. Without a pipeline each layer runs forward once
     and, with recomputation, once more in the backward. With one (K = stages x virtual chunks, each a
     virtual stage), a virtual stage that is not the last runs its forward at its F tick and again at its
     backward tick (where its last layer's exit is not needed), and with recomputation once more; the
@@ -380,9 +382,9 @@ def comm_report(engine, state, batch) -> CommReport:
         grads = jax.tree.leaves(engine.plan.grads)
         shared = _local_elements((leaves, grads, placements), None, lambda p: not p.stacked)
         theory_by_axis["pipe"] = permute_theory + 2 * grad * shared * (S - 1) / S
-    tensor = engine.mesh.shape.get("tensor", 1)
+    tensor = engine.mesh.shape.get(TENSOR_AXIS, 1)
     usage = engine.gather_usage
-    sliced = [p for p in placements if "tensor" in p.base]
+    sliced = [p for p in placements if TENSOR_AXIS in p.base]
     if tensor > 1 and usage is not None and usage.layer_carry_bytes and any(p.stacked for p in sliced):
         # Megatron's volume for the stack of layers (an all-reduce moves 2 R (T-1)/T; sequence parallelism's
         # all-gather + reduce-scatter as much); leaves that are not stacked layers and are sliced are

@@ -96,9 +96,11 @@ def current_usage() -> GatherUsage | None:
     return ctx.usage if ctx is not None else None
 
 
-def _all_gather(x, dim: int, axis: str):
-    # 16-bit floats travel as uint16: bit-exact, and the CPU backend would otherwise widen bf16/fp16
-    # collectives to fp32 (doubling the bytes); GPUs carry them as they are.
+def all_gather_exact(x, dim: int, axis: str):
+    """A tiled all-gather of x along `dim` over mesh axis `axis` that moves x's own bytes.
+
+    16-bit floats travel as uint16: bit-exact, and the CPU backend would otherwise widen bf16/fp16
+    collectives to fp32 (doubling the bytes); GPUs carry them as they are."""
     if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
         bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
         gathered = jax.lax.all_gather(bits, axis, axis=dim, tiled=True)
@@ -136,7 +138,7 @@ def _quantized_all_gather(shard, dim: int, axis: str, compute_dtype, block: int)
     if jnp.dtype(compute_dtype).itemsize == 2:
         scale = scale.astype(compute_dtype)
     q_all = jax.lax.all_gather(q, axis, axis=0, tiled=False)  # [N, blocks, block]
-    scale_all = _all_gather(scale[None], 0, axis)  # [N, blocks]
+    scale_all = all_gather_exact(scale[None], 0, axis)  # [N, blocks]
     parts = dequantize_blocks(q_all, scale_all.astype(jnp.float32), shard.shape, compute_dtype)  # [N, *shard]
     # The N shards side by side along `dim`, as a tiled all-gather would have put them.
     parts = jnp.moveaxis(parts, 0, dim)
@@ -157,7 +159,7 @@ def gather_for_compute(shard, dim: int, axis: str, compute_dtype, quant_block: i
     def gather(shard):
         if quant_block:
             return _quantized_all_gather(shard, dim, axis, compute_dtype, quant_block)
-        return _all_gather(shard.astype(compute_dtype), dim, axis)
+        return all_gather_exact(shard.astype(compute_dtype), dim, axis)
 
     return on_slices(gather, shard, sliced)
 

@@ -25,7 +25,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zeroflax.config import ConfigError
-from zeroflax.sharding.layers import _all_gather, current_context
+from zeroflax.sharding.layers import all_gather_exact, current_context
 
 TENSOR_AXIS = "tensor"
 
@@ -63,7 +63,7 @@ def _split_fwd(x, axis, split):
 
 
 def _split_bwd(axis, split, _, cotangent):
-    return (_shard_map_tensor(lambda c: _all_gather(c, axis, TENSOR_AXIS), cotangent, split, P()),)
+    return (_shard_map_tensor(lambda c: all_gather_exact(c, axis, TENSOR_AXIS), cotangent, split, P()),)
 
 
 _split.defvjp(_split_fwd, _split_bwd)
@@ -109,7 +109,7 @@ def tensor_parallel(fn: Callable, *weight_names: tuple, axis: int = 1) -> Callab
         split = _split_spec(ctx, x, axis)
 
         def local(x, *weights):
-            partial = fn(_all_gather(x, axis, TENSOR_AXIS), *weights)
+            partial = fn(all_gather_exact(x, axis, TENSOR_AXIS), *weights)
             return jax.lax.psum_scatter(partial, TENSOR_AXIS, scatter_dimension=axis, tiled=True)
 
         return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(split, *weight_specs),
