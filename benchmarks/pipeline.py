@@ -10,8 +10,9 @@ simulated CPU devices. Compile-only: nothing is trained.
    1/(S T D) (stage 3) of the whole, on three meshes (S = 2 and 4).
 3. Communication, pipe 2 x data 2 x tensor 2 at ZeRO stages 0-3 (and pipe 4 x data 2): bytes per device
    per step by mesh axis beside each axis's theory; the pipeline's sends beside the schedule's.
-4. The tensor axis against Megatron's volume for this GPT (`megatron_all_reduces`), with and without a
-   pipeline and remat.
+4. The tensor axis against Megatron's volume (`zeroflax.comm.megatron_all_reduces`, the report's theory)
+   at every ZeRO stage, with and without a pipeline, remat and sequence parallelism; sequence
+   parallelism's temporaries against none.
 """
 from __future__ import annotations
 
@@ -37,38 +38,14 @@ from zeroflax.pipeline.schedule import build_schedule  # noqa: E402
 MiB = 2**20
 
 
-def engine_for(model, mesh, stage, schedule, micro_batches, micro_batch_size, seq):
+def engine_for(model, mesh, stage, schedule, micro_batches, micro_batch_size, seq, **overrides):
     config = zeroflax.Config(mesh=zeroflax.MeshConfig(mesh), zero_stage=stage, micro_batch_size=micro_batch_size,
-                             grad_accum_steps=micro_batches, persistence_threshold=0, pipeline_schedule=schedule)
+                             grad_accum_steps=micro_batches, persistence_threshold=0, pipeline_schedule=schedule,
+                             **overrides)
     batch = {"tokens": np.zeros((mesh["data"] * micro_batch_size * micro_batches, seq + 1), np.int32)}
     engine, state = zeroflax.initialize(next_token_loss(model), lambda r, b: model.init(r, b["tokens"][:1, :-1])[
         "params"], optax.adam(1e-3), config, sample_batch=batch)
     return engine, state, batch
-
-
-def megatron_all_reduces(layers: int, stages: int, micro_batches: int, remat: bool) -> float:
-    """All-reduces of one [batch, seq, d_model] activation over `tensor` per device per step that Megatron's
-    tensor slicing needs for the GPT, averaged over pipeline stages. Per layer and micro-batch: 2 in a
-    forward (attention out, MLP out), 2 in the backward (the inputs of the column-parallel QKV and MLP-in),
-    and 1 per recomputed forward (attention out: it feeds the MLP; the layer's own output is not needed
-    again). The vocab-parallel embedding adds 1 per forward that needs it, the tied head 1 in the backward.
-    Without a pipeline a step runs each layer forward once and, with remat, once more in the backward.
-    With one, a stage that is not the last runs its forward at its F tick, again in the backward tick
-    (where its last layer's output is not needed), and with remat once more; the last stage's F tick
-    only files its input."""
-    L = layers // stages
-    r = 1 if remat else 0
-    if stages == 1:
-        per_micro = L * (2 + 2 + r) + 1 + 1
-    else:
-        first_and_middle = 2 * L + (2 * L - 1) + r * L + 2 * L
-        last = 2 * L + r * L + 2 * L
-        # The embedding (first stage: F tick and backward tick) and the head (last stage's backward).
-        per_stage = [first_and_middle] * (stages - 1) + [last]
-        per_stage[0] += 2
-        per_stage[-1] += 1
-        per_micro = sum(per_stage) / stages
-    return micro_batches * per_micro
 
 
 def main(argv=None):
@@ -116,19 +93,37 @@ def main(argv=None):
         print(f"comm {mesh} stage {stage} ({time.time() - started:.0f} s)", flush=True)
 
     results["tensor"] = []
-    for mesh, M, remat in [({"data": 4, "tensor": 2}, 1, "none"), ({"data": 4, "tensor": 2}, 1, "full"),
-                           ({"data": 2, "pipe": 2, "tensor": 2}, 8, "full")]:
-        config = zeroflax.Config(mesh=zeroflax.MeshConfig(mesh), micro_batch_size=2, grad_accum_steps=M,
-                                 persistence_threshold=0, remat=remat)
-        batch = {"tokens": np.zeros((mesh["data"] * 2 * M, 33), np.int32)}
-        engine, state = zeroflax.initialize(next_token_loss(small), lambda r, b: small.init(r, b["tokens"][:1, :-1])[
-            "params"], optax.adam(1e-3), config, sample_batch=batch)
-        measured = engine.comm_report(state, batch).by_axis.get("tensor", 0.0)
-        activation = 2 * 32 * 64 * 4  # [2, 32, 64] fp32; an all-reduce over T = 2 moves 2 R (T-1)/T = R
-        theory = megatron_all_reduces(4, mesh.get("pipe", 1), M, remat != "none") * activation
-        results["tensor"].append({"mesh": mesh, "micro_batches": M, "remat": remat, "measured_mib": measured / MiB,
-                                  "megatron_mib": theory / MiB})
+    cases = ([({"data": 4, "tensor": 2}, 1, "none", False, 0)]
+             + [({"data": 4, "tensor": 2}, 1, "full", False, stage) for stage in range(4)]
+             + [({"data": 4, "tensor": 2}, 1, remat, True, 1) for remat in ("full", "dots", "none")]
+             + [({"data": 4, "tensor": 2}, 1, "full", True, 3)]
+             + [({"data": 2, "pipe": 2, "tensor": 2}, 8, "full", sp, 3) for sp in (False, True)])
+    for mesh, M, remat, sp, stage in cases:
+        engine, state, batch = engine_for(small, mesh, stage, "1f1b", M, 2, 32, remat=remat,
+                                          sequence_parallel=sp)
+        r = engine.comm_report(state, batch)
+        kinds = {}
+        for c in r.collectives:
+            if tuple(c["axes"]) == ("tensor",):
+                kinds[c["kind"]] = kinds.get(c["kind"], 0.0) + c["bytes_per_step"] / MiB
+        results["tensor"].append({"mesh": mesh, "micro_batches": M, "remat": remat, "sequence_parallel": sp,
+                                  "stage": stage, "measured_mib": r.by_axis.get("tensor", 0.0) / MiB,
+                                  "megatron_mib": r.theory_by_axis["tensor"] / MiB, "kinds_mib": kinds,
+                                  "data_mib": r.by_axis.get("data", 0.0) / MiB, "permute_mib": r.permute_bytes / MiB,
+                                  "data_theory_mib": r.theory_by_axis.get("data", float("nan")) / MiB})
     print(f"tensor ({time.time() - started:.0f} s)", flush=True)
+
+    # Sequence parallelism's memory: activations large next to the weights (8 layers, d 128, 4 x 256 tokens).
+    results["sequence_parallel_memory"] = []
+    long = GPT(GPTConfig(num_layers=8, d_model=128, num_heads=4, max_len=256))
+    for remat in ("full", "none"):
+        row = {"remat": remat}
+        for sp in (False, True):
+            engine, state, batch = engine_for(long, {"data": 4, "tensor": 2}, 1, "1f1b", 1, 4, 256, remat=remat,
+                                              sequence_parallel=sp)
+            row["temp_mib_sp" if sp else "temp_mib"] = engine.memory_report(state, batch).temp / MiB
+        results["sequence_parallel_memory"].append(row)
+    print(f"sequence parallel memory ({time.time() - started:.0f} s)", flush=True)
 
     results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=ROOT).stdout.strip()
@@ -161,11 +156,19 @@ def markdown(r) -> str:
                          for k, v in sorted(c["by_axis_mib"].items()))
         mesh = " x ".join(f"{k} {v}" for k, v in c["mesh"].items())
         lines.append(f"| {mesh} | {c['stage']} | {axes} | {c['permute_mib']:.4f} / {c['permute_theory_mib']:.4f} |")
-    lines += ["", "| tensor axis, stage 0 | M | remat | measured MiB | Megatron MiB | ratio |", "|---|---|---|---|---|---|"]
+    lines += ["", "| tensor axis | stage | M | remat | seq. parallel | measured MiB | Megatron MiB | ratio | by kind MiB "
+              "| data axis MiB (measured / ZeRO) | pipeline sends MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in r["tensor"]:
         mesh = " x ".join(f"{k} {v}" for k, v in t["mesh"].items())
-        lines.append(f"| {mesh} | {t['micro_batches']} | {t['remat']} | {t['measured_mib']:.3f} | {t['megatron_mib']:.3f} "
-                     f"| {t['measured_mib'] / t['megatron_mib']:.3f} |")
+        kinds = ", ".join(f"{k} {v:.3f}" for k, v in sorted(t["kinds_mib"].items()))
+        lines.append(f"| {mesh} | {t['stage']} | {t['micro_batches']} | {t['remat']} | {'yes' if t['sequence_parallel'] else 'no'} "
+                     f"| {t['measured_mib']:.3f} | {t['megatron_mib']:.3f} | {t['measured_mib'] / t['megatron_mib']:.3f} "
+                     f"| {kinds} | {t['data_mib']:.3f} / {t['data_theory_mib']:.3f} | {t['permute_mib']:.4f} |")
+    lines += ["", "Sequence parallelism's temporaries (GPT 8 layers d 128, 4 x 256 tokens per device, data 4 x tensor 2, "
+              "stage 1, fp32):", "", "| remat | off MiB | on MiB | on / off |", "|---|---|---|---|"]
+    for row in r["sequence_parallel_memory"]:
+        lines.append(f"| {row['remat']} | {row['temp_mib']:.2f} | {row['temp_mib_sp']:.2f} | "
+                     f"{row['temp_mib_sp'] / row['temp_mib']:.3f} |")
     return "\n".join(lines)
 
 
