@@ -25,7 +25,7 @@ import re
 import jax
 import numpy as np
 
-from zeroflax.sharding.tensor import TENSOR_AXIS
+from zeroflax.sharding.mesh import TENSOR_AXIS
 
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1,
@@ -376,7 +376,7 @@ def comm_report(engine, state, batch) -> CommReport:
         activation = engine.pipeline_activation
         act_bytes = math.prod(activation.shape) * np.dtype(activation.dtype).itemsize
         if engine.config.sequence_parallel:  # the stages send their sequence slices
-            act_bytes /= engine.mesh.shape.get("tensor", 1)
+            act_bytes /= engine.mesh.shape.get(TENSOR_AXIS, 1)
         sends = sum(len(schedule_tables.patterns[k]) for k in schedule_tables.send_pattern)
         permute_theory = sends * act_bytes / S  # per device: the pairs' sends spread over the S stages
         grads = jax.tree.leaves(engine.plan.grads)
@@ -394,7 +394,7 @@ def comm_report(engine, state, batch) -> CommReport:
         count = megatron_all_reduces(layers, schedule.stages if schedule else 1, schedule.virtual if schedule else 1,
                                      engine.config.grad_accum_steps, engine.config.remat,
                                      any(not p.stacked for p in sliced), engine.config.sequence_parallel)
-        theory_by_axis["tensor"] = count * 2 * usage.layer_carry_bytes * (tensor - 1) / tensor
+        theory_by_axis[TENSOR_AXIS] = count * 2 * usage.layer_carry_bytes * (tensor - 1) / tensor
     return CommReport(
         stage=stage, data_size=engine.data_size, num_params=num_params,
         compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, by_dtype=by_dtype, total_bytes=total,

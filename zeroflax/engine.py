@@ -39,7 +39,7 @@ from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gat
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order, take_layers
 from zeroflax.pipeline.schedule import build_schedule
-from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, build_mesh, pipe_size
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, build_mesh, pipe_size
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, make_plan
 
 
@@ -101,7 +101,7 @@ class Engine:
         self._probe_usage: GatherUsage | None = None
         self.gather_usage: GatherUsage | None = None
         self.grad_sync = ZeroGradSync(config.zero_stage, plan.placements)
-        if config.sequence_parallel and self.mesh.shape.get("tensor", 1) == 1:
+        if config.sequence_parallel and self.mesh.shape.get(TENSOR_AXIS, 1) == 1:
             raise ConfigError("Config.sequence_parallel", "splits activations over the tensor axis, but the mesh's "
                               f"tensor axis has 1 device ({dict(self.mesh.shape)})",
                               "give MeshConfig.axes['tensor'] 2 or more devices, or set sequence_parallel False")
@@ -166,7 +166,7 @@ class Engine:
         config = self.config
         return LayerContext(remat=config.remat, bucket=config.prefetch_bucket_size,
                             max_live=config.max_live_parameters, usage=usage,
-                            sequence_parallel=config.sequence_parallel, tensor_size=self.mesh.shape.get("tensor", 1),
+                            sequence_parallel=config.sequence_parallel, tensor_size=self.mesh.shape.get(TENSOR_AXIS, 1),
                             logical_rules=config.logical_rules)
 
     def _call_loss(self, params, batch, rng, model_state):

@@ -9,6 +9,7 @@ from zeroflax.config import MeshConfig
 
 DATA_AXIS = "data"
 PIPE_AXIS = "pipe"  # pipeline stages: the stacked layers are split over it
+TENSOR_AXIS = "tensor"  # tensor slicing (Megatron), left to XLA's partitioner inside the step
 
 
 def build_mesh(mesh_config: MeshConfig, devices=None) -> Mesh:

@@ -26,8 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflax.config import ConfigError
 from zeroflax.sharding.layers import all_gather_exact, current_context
-
-TENSOR_AXIS = "tensor"
+from zeroflax.sharding.mesh import TENSOR_AXIS
 
 
 def _sequence_parallel():
