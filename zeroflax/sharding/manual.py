@@ -10,7 +10,7 @@ activation all-reduces, and the data axis moved the whole weights instead of the
 
 `on_slices` runs the collective on each device's slice instead: inside a nested `shard_map` that is
 manual over the array's own automatic axes as well, so the collective sees this device's slice and
-the slicing survives it. Outside a shard_map, or for an array no automatic axis slices, it is a call.
+the slicing survives it. For an array no automatic axis slices it is a plain call.
 """
 from __future__ import annotations
 
@@ -20,12 +20,17 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 
+def manual_over(fn: Callable, axes: set, in_specs, out_specs) -> Callable:
+    """fn made manual over `axes` as well, inside the engine's step (a nested shard_map on the step's
+    mesh); the specs name only automatic axes, as shard_map's do."""
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(axes), check_vma=False)
+
+
 def on_slices(fn: Callable, x, spec: tuple):
     """fn(x) on this device's slice of x, where `spec` names x's automatic mesh axes per dimension
     (None where a dimension is not sliced); the result is sliced the same way."""
     axes = {axis for axis in spec if axis is not None}
     if not axes:
         return fn(x)
-    sliced = P(*spec)
-    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=sliced, out_specs=sliced,
-                         axis_names=axes, check_vma=False)(x)
+    return manual_over(fn, axes, P(*spec), P(*spec))(x)

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflax.config import ConfigError
 from zeroflax.sharding.layers import all_gather_exact, current_context
+from zeroflax.sharding.manual import manual_over
 from zeroflax.sharding.mesh import TENSOR_AXIS
 
 
@@ -43,18 +44,13 @@ def _split_spec(ctx, x, axis: int) -> P:
     return P(*[TENSOR_AXIS if d == axis else None for d in range(x.ndim)])
 
 
-def _shard_map_tensor(fn, x, in_spec: P, out_spec: P):
-    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_spec, out_specs=out_spec,
-                         axis_names={TENSOR_AXIS}, check_vma=False)(x)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _split(x, axis: int, split: P):
     """Whole on every tensor device -> this device's sequence slice; the backward all-gathers."""
     def take(x):
         size = x.shape[axis] // jax.lax.axis_size(TENSOR_AXIS)
         return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(TENSOR_AXIS) * size, size, axis)
-    return _shard_map_tensor(take, x, P(), split)
+    return manual_over(take, {TENSOR_AXIS}, P(), split)(x)
 
 
 def _split_fwd(x, axis, split):
@@ -62,7 +58,7 @@ def _split_fwd(x, axis, split):
 
 
 def _split_bwd(axis, split, _, cotangent):
-    return (_shard_map_tensor(lambda c: all_gather_exact(c, axis, TENSOR_AXIS), cotangent, split, P()),)
+    return (manual_over(lambda c: all_gather_exact(c, axis, TENSOR_AXIS), {TENSOR_AXIS}, split, P())(cotangent),)
 
 
 _split.defvjp(_split_fwd, _split_bwd)
@@ -111,7 +107,6 @@ def tensor_parallel(fn: Callable, *weight_names: tuple, axis: int = 1) -> Callab
             partial = fn(all_gather_exact(x, axis, TENSOR_AXIS), *weights)
             return jax.lax.psum_scatter(partial, TENSOR_AXIS, scatter_dimension=axis, tiled=True)
 
-        return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(split, *weight_specs),
-                             out_specs=split, axis_names={TENSOR_AXIS}, check_vma=False)(x, *weights)
+        return manual_over(local, {TENSOR_AXIS}, (split, *weight_specs), split)(x, *weights)
 
     return run
