@@ -34,7 +34,7 @@ from zeroflax.config import Config, ConfigError
 from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_loss_scale
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
-from zeroflax.sharding.manual import on_slices
+from zeroflax.sharding.manual import psum_on_slices
 from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute, loss_remat_policy
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order, take_layers
@@ -275,8 +275,7 @@ class Engine:
             grads = self.grad_sync.final(grads)
             # Leaves every stage holds (embeddings, the head, tied ones too) got a gradient from the
             # stages that use them: their sum over `pipe` (after ZeRO's reduction: on shards when sharded).
-            shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else on_slices(
-                lambda x: jax.lax.psum(x, PIPE_AXIS), g, p.auto_spec())
+            shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else psum_on_slices(g, PIPE_AXIS, p.auto_spec())
             grads = jax.tree.map(shared, self.plan.placements, grads, is_leaf=_is_placement)
             grads = jax.tree.map(lambda g: g / scale, grads)
             return grads, jax.lax.pmean(loss, DATA_AXIS), jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux), None

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from zeroflax.sharding.manual import on_slices
+from zeroflax.sharding.manual import on_slices, psum_on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.policy import LeafPlacement
 
@@ -44,8 +44,6 @@ class ZeroGradSync:
         scatter = lambda g: jax.lax.psum_scatter(g, self.axis, scatter_dimension=placement.zero_dim, tiled=True)
         return on_slices(scatter, grad, placement.auto_spec())
 
-    def _sum(self, placement: LeafPlacement, grad):
-        return on_slices(lambda g: jax.lax.psum(g, self.axis), grad, placement.auto_spec())
 
     def per_microbatch(self, grads):
         if SCATTER_WHEN[self.stage] != "microbatch":
@@ -57,7 +55,7 @@ class ZeroGradSync:
 
         def reduce(p, g):
             if when is None or p.zero_dim is None:
-                return self._sum(p, g)
+                return psum_on_slices(g, self.axis, p.auto_spec())
             if when == "final":
                 return self._scatter(p, g)
             return g  # already scattered per micro-batch or in the backward pass

@@ -34,3 +34,8 @@ def on_slices(fn: Callable, x, spec: tuple):
     if not axes:
         return fn(x)
     return manual_over(fn, axes, P(*spec), P(*spec))(x)
+
+
+def psum_on_slices(x, axis: str, spec: tuple):
+    """The sum of x over the manual mesh axis `axis`, on this device's slices (`spec`, as for `on_slices`)."""
+    return on_slices(lambda part: jax.lax.psum(part, axis), x, spec)
