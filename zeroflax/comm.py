@@ -13,6 +13,15 @@ compute dtype's bytes: stages 0-2 move 2 b_g Psi (N-1)/N, stage 3 (2 b_c + b_g) 
 quantized weights (qwZ) b_c = 1 + b_scale/block (int8 elements, one compute-dtype scale per block).
 With M micro-batches per step stage 2 moves (M + 1) b_g Psi (N-1)/N and stage 3 M times its volume
 (`theory_bytes`). The tensor axis is beside Megatron's volume (`megatron_all_reduces`).
+
+Host <-> device traffic (offload) is counted from the step's program: every transfer between memory
+kinds (a `device_put` to another memory space) with its per-device bytes, times the trip counts of the
+scans around it (`host_transfers`). The compiled HLO cannot be used on the CPU backend, where host
+memory is device memory and XLA compiles the transfers away; on a GPU they are the copies XLA keeps.
+Theory per step, per device, with G the elements of this device's gradient shards, C those of the
+compute copy, S those of the streamed (offload_param) shards, K the optimizer state's bytes:
+    update on the host:    device->host b_g G; host->device b_c C (+ M x 2 x b_master S, offload_param)
+    update on the device:  host->device and device->host (b_master + K/elements) x master elements
 """
 from __future__ import annotations
 
@@ -247,6 +256,11 @@ class CommReport:
     theory_by_axis: dict = dataclasses.field(default_factory=dict)
     permute_bytes: float = 0.0  # collective-permute bytes (pipeline sends)
     permute_theory: float = 0.0  # what the schedule sends: its pairs x one micro-batch's activation
+    # Offload: bytes per device per step between host and device memory, and their theory.
+    host_to_device: float = 0.0
+    device_to_host: float = 0.0
+    host_to_device_theory: float = 0.0
+    device_to_host_theory: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -275,21 +289,30 @@ class CommReport:
             if self.permute_theory:
                 lines.append(f"  {'pipeline sends':<28}{self.permute_bytes / 2**20:>12.2f}   schedule "
                              f"{self.permute_theory / 2**20:.2f}, ratio {self.permute_bytes / self.permute_theory:.3f}")
+        for name, value, theory in (("host -> device", self.host_to_device, self.host_to_device_theory),
+                                    ("device -> host", self.device_to_host, self.device_to_host_theory)):
+            if value or theory:
+                beside = f"   theory {theory / 2**20:.2f}, ratio {value / theory:.3f}" if theory else ""
+                lines.append(f"  {name + ' (program)':<28}{value / 2**20:>12.2f}{beside}")
         if self.unknown_trip_count:
             lines.append("  warning: a loop without a known trip count was counted once")
         return "\n".join(lines)
 
 
 def theory_bytes(stage: int, num_params: int, data_size: int, compute_bytes: float, grad_bytes: int,
-                 micro_batches: int = 1) -> float:
+                 micro_batches: int = 1, offload: bool = False) -> float:
     """ZeRO's volume per step over `data`. With M micro-batches, stage 2 reduce-scatters each one's
     gradients (then all-gathers the updated parameters once) and stage 3 gathers and reduce-scatters per
-    micro-batch, as DeepSpeed does; stages 0 and 1 accumulate locally and reduce once."""
+    micro-batch, as DeepSpeed does; stages 0 and 1 accumulate locally and reduce once. Under offload
+    stages 1-2 all-gather the compute copy (b_c) instead of the master weights."""
     share = (data_size - 1) / data_size
+    gather = compute_bytes if offload else grad_bytes
     if stage == 3:
         return micro_batches * (2 * compute_bytes + grad_bytes) * num_params * share
     if stage == 2:
-        return (micro_batches + 1) * grad_bytes * num_params * share
+        return (micro_batches * grad_bytes + gather) * num_params * share
+    if stage == 1:
+        return (grad_bytes + gather) * num_params * share
     return 2 * grad_bytes * num_params * share
 
 
@@ -327,6 +350,59 @@ def megatron_all_reduces(layers: int, stages: int, virtual: int, micro_batches: 
     return micro_batches * sum(per_virtual) / stages
 
 
+def _is_host_space(aval) -> bool:
+    return str(getattr(aval, "memory_space", "")).endswith("Host")
+
+
+def host_transfers(jaxpr, times: int = 1, local: bool = False) -> tuple[float, float]:
+    """(host->device, device->host) bytes per device of the transfers in a jaxpr (module docstring).
+    `local`: inside a shard_map, where avals are already one device's; outside, a transfer's target
+    sharding gives the shard it moves."""
+    to_device = to_host = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "device_put":
+            for source, target, dest in zip(eqn.invars, eqn.outvars, eqn.params["devices"]):
+                src_host, dst_host = _is_host_space(source.aval), _is_host_space(target.aval)
+                if src_host == dst_host:
+                    continue
+                shape = tuple(target.aval.shape)
+                if not local and hasattr(dest, "shard_shape"):
+                    shape = dest.shard_shape(shape)
+                moved = times * math.prod(shape) * np.dtype(target.aval.dtype).itemsize
+                to_host, to_device = (to_host + moved, to_device) if dst_host else (to_host, to_device + moved)
+            continue
+        inner_times = times * (eqn.params.get("length", 1) if name == "scan" else 1)
+        inner_local = local or name == "shard_map"
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (list, tuple)) else [value]):
+                sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns"):
+                    a, b = host_transfers(sub, inner_times, inner_local)
+                    to_device, to_host = to_device + a, to_host + b
+    return to_device, to_host
+
+
+def host_traffic_theory(engine) -> tuple[float, float]:
+    """(host->device, device->host) bytes per device per step that offload should move (module docstring)."""
+    plan, config = engine.plan, engine.config
+    leaves = jax.tree.leaves(engine.abstract_params)
+    itemsize = lambda x: np.dtype(x.dtype).itemsize
+    master = [math.prod(s.shard_shape(tuple(x.shape))) * itemsize(x) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
+    if config.offload_optimizer.update == "device":
+        abstract_opt = jax.eval_shape(engine.optimizer.init, engine.abstract_params)
+        opt = sum(math.prod(s.shard_shape(tuple(x.shape))) * itemsize(x)
+                  for x, s in zip(jax.tree.leaves(abstract_opt), jax.tree.leaves(plan.opt_state)))
+        return sum(master) + opt, sum(master) + opt
+    grads = sum(math.prod(s.shard_shape(tuple(x.shape))) * itemsize(x)
+                for x, s in zip(leaves, jax.tree.leaves(plan.host_grads)))
+    compute = np.dtype(config.compute_dtype).itemsize
+    streamed = plan.streamed()
+    copy = sum(m // itemsize(x) * compute for m, x, st in zip(master, leaves, streamed) if not st)
+    stream = sum(m for m, st in zip(master, streamed) if st) * 2 * config.grad_accum_steps
+    return copy + stream, grads
+
+
 def _local_elements(abstract, shardings, keep) -> int:
     """Elements one device holds of the leaves `keep(placement)` selects."""
     return sum(math.prod(sh.shard_shape(tuple(x.shape))) for x, sh, p in zip(*abstract) if keep(p))
@@ -356,13 +432,14 @@ def comm_report(engine, state, batch) -> CommReport:
         key = "+".join(c.axes) or "none"
         by_axis[key] = by_axis.get(key, 0.0) + c.bytes_per_step
     stage = engine.config.zero_stage
+    offload = engine.plan.offload
     placements = jax.tree.leaves(engine.plan.placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
     without_data = [jax.sharding.NamedSharding(engine.mesh, p.spec(False)) for p in placements]
     leaves = jax.tree.leaves(engine.abstract_params)
     # This device's parameters once the pipe and tensor axes have split them (ZeRO then splits them N ways).
     local = _local_elements((leaves, without_data, placements), None, lambda p: True)
     accum = engine.config.grad_accum_steps
-    theory_by_axis = {"data": theory_bytes(stage, local, engine.data_size, compute, grad, accum)}
+    theory_by_axis = {"data": theory_bytes(stage, local, engine.data_size, compute, grad, accum, offload)}
     if engine.schedule is not None and stage >= 2:
         # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch and tick, a stage's
         # backward tick recomputes its forward (gathering again at 3), and only the first and last
@@ -395,12 +472,22 @@ def comm_report(engine, state, batch) -> CommReport:
                                      engine.config.grad_accum_steps, engine.config.remat,
                                      any(not p.stacked for p in sliced), engine.config.sequence_parallel)
         theory_by_axis[TENSOR_AXIS] = count * 2 * usage.layer_carry_bytes * (tensor - 1) / tensor
+    transfers = {}
+    if offload:
+        state_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding), state)
+        batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), engine.put_batch(batch))
+        jaxpr = jax.make_jaxpr(engine._step_fn(batch_abs))(state_abs, batch_abs).jaxpr
+        to_device, to_host = host_transfers(jaxpr)
+        to_device_theory, to_host_theory = host_traffic_theory(engine)
+        transfers = dict(host_to_device=to_device, device_to_host=to_host, host_to_device_theory=to_device_theory,
+                       device_to_host_theory=to_host_theory)
     return CommReport(
         stage=stage, data_size=engine.data_size, num_params=num_params,
         compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, by_dtype=by_dtype, total_bytes=total,
         # With a pipe or tensor axis the whole-step theory is the sum of the axes that have one.
         theory_bytes=(sum(theory_by_axis.values()) if len(engine.mesh.shape) > 1 and
                       (engine.mesh.shape.get("pipe", 1) > 1 or engine.mesh.shape.get("tensor", 1) > 1)
-                      else theory_bytes(stage, num_params, engine.data_size, compute, grad, accum)),
+                      else theory_bytes(stage, num_params, engine.data_size, compute, grad, accum, offload)),
         unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives],
-        by_axis=by_axis, theory_by_axis=theory_by_axis, permute_bytes=permute, permute_theory=permute_theory)
+        by_axis=by_axis, theory_by_axis=theory_by_axis, permute_bytes=permute, permute_theory=permute_theory,
+        **transfers)

@@ -18,7 +18,9 @@ except ImportError:  # e.g. a GPU image without gin-config: the Python API works
         return cls
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
+OFFLOAD_DEVICES = ("none", "cpu")
+OFFLOAD_UPDATES = ("host", "device")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PIPE = "pipe"  # the pipeline mesh axis
 
@@ -134,6 +136,79 @@ class LossScaleConfig:
 
 @configurable
 @dataclasses.dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """ZeRO-Offload of the optimizer (DeepSpeed's zero_optimization.offload_optimizer), stages 1-3.
+
+    device: 'none', or 'cpu': the fp32 master weights and the optimizer state live in host memory,
+        partitioned over the data axis (12 bytes per parameter / N); the device keeps a compute-dtype
+        copy of the parameters (whole at stages 1-2, a shard at stage 3).
+    pin_memory: page-locked host memory (memory kind 'pinned_host', which the device reads directly);
+        False uses 'unpinned_host'.
+    update: where the optimizer step runs: 'host' (jax's compute_on('device_host'): only gradients go
+        down and compute-dtype parameters come back) or 'device' (the master weights and optimizer state
+        come to the device for the update and go back).
+    delayed_update: ZeRO-Offload's delayed parameter update (DPU): the host update of step t's gradient
+        runs beside step t+1's forward and backward, which use parameters one step stale. Off by default;
+        see docs/offload.md for its effect on the loss.
+    """
+
+    device: str = "none"
+    pin_memory: bool = True
+    update: str = "host"
+    delayed_update: bool = False
+
+    def __post_init__(self):
+        k = "OffloadOptimizerConfig."
+        _require(self.device != "nvme", k + "device", "'nvme' (ZeRO-Infinity) is not supported: JAX has no NVMe "
+                 "memory kind", "use 'cpu'")
+        _require(self.device in OFFLOAD_DEVICES, k + "device", f"unknown device {self.device!r}",
+                 f"use one of {', '.join(OFFLOAD_DEVICES)}")
+        _require(isinstance(self.pin_memory, bool), k + "pin_memory", f"must be True or False, got {self.pin_memory!r}")
+        _require(self.update in OFFLOAD_UPDATES, k + "update", f"unknown update place {self.update!r}",
+                 f"use one of {', '.join(OFFLOAD_UPDATES)}")
+        _require(isinstance(self.delayed_update, bool), k + "delayed_update",
+                 f"must be True or False, got {self.delayed_update!r}")
+        _require(not (self.delayed_update and self.update != "host"), k + "delayed_update",
+                 "overlaps the host update with the next step's forward and backward, but update is "
+                 f"{self.update!r}", "set update='host', or delayed_update False")
+        _require(not (self.device == "none" and (self.delayed_update or self.update != "host")), k + "device",
+                 "is 'none', so update and delayed_update have nothing to act on", "set device='cpu'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+@configurable
+@dataclasses.dataclass(frozen=True)
+class OffloadParamConfig:
+    """ZeRO-3's parameter offload (DeepSpeed's zero_optimization.offload_param).
+
+    device: 'none', or 'cpu': the device keeps no copy of the ZeRO-partitioned parameters; each layer's
+        shard of the fp32 master weights comes from host memory where it is gathered (forward, and again
+        in the backward pass), next to the all-gather. Needs zero_stage 3 and offload_optimizer on 'cpu'.
+        Leaves below persistence_threshold stay on the device, as DeepSpeed's persistent parameters do.
+    pin_memory: as for OffloadOptimizerConfig; the master weights' memory kind is the optimizer's.
+    """
+
+    device: str = "none"
+    pin_memory: bool = True
+
+    def __post_init__(self):
+        k = "OffloadParamConfig."
+        _require(self.device != "nvme", k + "device", "'nvme' (ZeRO-Infinity) is not supported: JAX has no NVMe "
+                 "memory kind", "use 'cpu'")
+        _require(self.device in OFFLOAD_DEVICES, k + "device", f"unknown device {self.device!r}",
+                 f"use one of {', '.join(OFFLOAD_DEVICES)}")
+        _require(isinstance(self.pin_memory, bool), k + "pin_memory", f"must be True or False, got {self.pin_memory!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+@configurable
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Everything the engine needs besides the model, the loss and the optimizer.
 
@@ -149,7 +224,8 @@ class Config:
     persistence_threshold: leaves (per layer, for stacked layers) with fewer elements stay replicated
         (DeepSpeed's stage3_param_persistence_threshold).
     remat: activation checkpointing of each scanned layer: 'none', 'full' (save nothing),
-        'dots' (save matmul outputs), 'dots_no_batch' (save matmul outputs without batch dims).
+        'dots' (save matmul outputs), 'dots_no_batch' (save matmul outputs without batch dims),
+        'offload_dots_no_batch' (those outputs go to pinned host memory instead of staying on the device).
         With zero_stage 3, 'none' is refused: it would keep every layer's gathered weights.
     prefetch_bucket_size: ZeRO-3 gather groups (DeepSpeed's stage3_prefetch_bucket_size, in parameter
         elements): a module whose parameters number at most this is gathered as one group, its
@@ -169,6 +245,9 @@ class Config:
         `zeroflax.sequence_split` (a transformer's residual stream: norms, residual adds) are split along
         the sequence over the `tensor` axis; row-parallel outputs are reduce-scattered into them and
         all-gathered before the next column-parallel matmul. Needs a tensor axis larger than 1.
+    offload_optimizer: ZeRO-Offload (see OffloadOptimizerConfig): master weights and optimizer state
+        in host memory, the update on the host.
+    offload_param: ZeRO-3 parameter offload (see OffloadParamConfig).
     logical_rules: logical axis name -> mesh axis name (or None), for leaves that carry logical names.
     seed: seeds the per-step rng handed to the loss function.
     """
@@ -190,6 +269,8 @@ class Config:
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int = 1
     sequence_parallel: bool = False
+    offload_optimizer: OffloadOptimizerConfig = dataclasses.field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = dataclasses.field(default_factory=OffloadParamConfig)
     logical_rules: tuple = DEFAULT_LOGICAL_RULES
     seed: int = 0
 
@@ -251,6 +332,22 @@ class Config:
                      f"use a multiple of {stages}")
         _require(isinstance(self.sequence_parallel, bool), "Config.sequence_parallel",
                  f"must be True or False, got {self.sequence_parallel!r}")
+        _require(isinstance(self.offload_optimizer, OffloadOptimizerConfig), "Config.offload_optimizer",
+                 f"must be an OffloadOptimizerConfig, got {type(self.offload_optimizer).__name__}")
+        _require(isinstance(self.offload_param, OffloadParamConfig), "Config.offload_param",
+                 f"must be an OffloadParamConfig, got {type(self.offload_param).__name__}")
+        _require(not (self.offload_optimizer.enabled and self.zero_stage == 0), "OffloadOptimizerConfig.device",
+                 "offloads the partitioned optimizer state, but zero_stage is 0", "set zero_stage to 1, 2 or 3")
+        _require(not (self.offload_param.enabled and self.zero_stage != 3), "OffloadParamConfig.device",
+                 f"offloads ZeRO-3's partitioned parameters, but zero_stage is {self.zero_stage}", "set zero_stage = 3")
+        _require(not (self.offload_param.enabled and not self.offload_optimizer.enabled), "OffloadParamConfig.device",
+                 "streams the fp32 master weights from the host, where only offload_optimizer keeps them",
+                 "set OffloadOptimizerConfig.device = 'cpu' too")
+        _require(not (self.offload_param.enabled and self.offload_param.pin_memory != self.offload_optimizer.pin_memory),
+                 "OffloadParamConfig.pin_memory", "the streamed parameters are the optimizer's master weights, which "
+                 f"use OffloadOptimizerConfig.pin_memory={self.offload_optimizer.pin_memory}", "set both alike")
+        _require(not (self.offload_param.enabled and stages > 1), "OffloadParamConfig.device",
+                 "streaming parameters into pipeline stages is not built", "use a pipe axis of 1, or offload_param 'none'")
         rules = tuple(tuple(rule) for rule in self.logical_rules)
         for rule in rules:
             _require(len(rule) == 2 and isinstance(rule[0], str) and (rule[1] is None or isinstance(rule[1], str)),
@@ -260,6 +357,11 @@ class Config:
             _require(rule[1] != "data", "Config.logical_rules",
                      f"rule {rule!r} maps to 'data'; the data axis is reserved for ZeRO partitioning")
         object.__setattr__(self, "logical_rules", rules)
+
+    @property
+    def host_memory_kind(self) -> str:
+        """The memory kind of offloaded state."""
+        return "pinned_host" if self.offload_optimizer.pin_memory else "unpinned_host"
 
     @property
     def compute_dtype(self):

@@ -14,6 +14,13 @@ shardings of the `ShardingPlan` and the state donated. Its parts:
   2. the update, in the global view: unscale (fp16), skip on overflow, clip, `optimizer.update` on
      each device's shard (stages 1-3), then the parameters go back to their at-rest sharding
      (stages 1-2: an all-gather of the updated shards).
+
+With offload (`Config.offload_optimizer`), the master weights and optimizer state are on the host: the
+loss runs on the device's compute-dtype copy, the reduced gradient shards go to the host, the update
+runs there (`compute_on('device_host')`, or on the device with the state brought over and back), and
+the new compute copy comes back; with `delayed_update` the update applies the previous step's
+gradients, so it does not wait for this step's backward pass. With `Config.offload_param` the ZeRO-3
+gathers stream their master shards from the host (`sharding.layers.gather_from_host`).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroflax.adapters import unbox
@@ -34,8 +42,8 @@ from zeroflax.config import Config, ConfigError
 from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_loss_scale
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
-from zeroflax.sharding.manual import psum_on_slices
-from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, gather_for_compute, loss_remat_policy
+from zeroflax.sharding.manual import on_slices, psum_on_slices
+from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, all_gather_exact, loss_remat_policy
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order, take_layers
 from zeroflax.pipeline.schedule import build_schedule
@@ -51,6 +59,10 @@ class TrainState:
     loss_scale: LossScaleState
     rng: jax.Array  # uint32[2] base key; step and device are folded in
     model_state: Any = None  # Flax collections besides params (e.g. batch_stats): replicated, or None
+    # Offload: the device's compute-dtype copy of the parameters (a leaf streamed from the host: None).
+    compute_params: Any = None
+    # Offload's delayed update: the previous step's reduced gradients (host), applied by this step.
+    pending_grads: Any = None
 
 
 def _is_placement(x) -> bool:
@@ -80,6 +92,15 @@ def _split_loss_output(out):
 
 def _all_leaves(tree) -> set:
     return set(range(len(jax.tree.leaves(tree))))
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+def _on_device(shardings):
+    """The same shardings in device memory."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
 class Engine:
@@ -122,21 +143,29 @@ class Engine:
                 # stacked layers in pipeline order (storage row -> model layer) and converts at the
                 # edges: checkpoints, evaluation, `model_params`.
                 self.layer_order = interleaved_layer_order(layers, stages, config.pipeline_virtual_stages)
+        if plan.offload and (self.layer_order is not None or abstract_model_state is not None):
+            raise ConfigError("OffloadOptimizerConfig.device", "offload with " + (
+                "the interleaved pipeline schedule" if self.layer_order is not None else "model state (Flax "
+                "collections such as batch_stats)") + " is not built", "set OffloadOptimizerConfig.device='none'")
+        delayed = config.offload_optimizer.delayed_update
         self.state_shardings = TrainState(
             step=plan.replicated, params=plan.params, opt_state=plan.opt_state,
             loss_scale=jax.tree.map(lambda _: plan.replicated, init_loss_scale(config.loss_scale, False)),
-            rng=plan.replicated, model_state=jax.tree.map(lambda _: plan.replicated, abstract_model_state))
+            rng=plan.replicated, model_state=jax.tree.map(lambda _: plan.replicated, abstract_model_state),
+            compute_params=plan.compute, pending_grads=plan.host_grads if delayed else None)
+        self._jit_compute_copy = None
         self._jit_step = None
         self._jit_eval = None
         self._compiled: dict = {}
 
     # ----------------------------------------------------------------------------- local gradients
-    def _params_for_compute(self, params, point_of_use: set):
+    def _params_for_compute(self, params, point_of_use: set, sources=None):
         """Inside shard_map: turn at-rest parameters into what the loss sees (compute dtype).
 
         At ZeRO-3 a partitioned leaf reaches the loss as a `ShardedLeaf` handle when it is gathered
         where it is used (`point_of_use`: leaf indices, and every stack of layers); any other leaf is
-        gathered here, on entry.
+        gathered here, on entry. `sources` (offload_param; flattened, None where not streamed) are the
+        host shards that the gathers stream, `params` holding their device gradient sinks.
         """
         config = self.config
         dtype = config.compute_dtype
@@ -144,6 +173,7 @@ class Engine:
         block = config.quantization_block if config.quantized_weights else 0
         placements = jax.tree.leaves(self.plan.placements, is_leaf=_is_placement)
         leaves, treedef = jax.tree.flatten(params)
+        sources = sources or [None] * len(leaves)
 
         def prepare(index, placement: LeafPlacement, leaf):
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -151,10 +181,9 @@ class Engine:
             if stage3 and placement.zero_dim is not None:
                 first = 1 if placement.stacked else 0  # a stack's handle describes one layer
                 dim, sliced = placement.zero_dim - first, placement.auto_spec()[first:]
-                if placement.stacked or index in point_of_use:
-                    shape = placement.shape[first:]
-                    return ShardedLeaf(leaf, dim, DATA_AXIS, dtype, tuple(shape), index, block, sliced)
-                return gather_for_compute(leaf, dim, DATA_AXIS, dtype, block, sliced)
+                handle = ShardedLeaf(leaf, dim, DATA_AXIS, dtype, tuple(placement.shape[first:]), index, block,
+                                     sliced, sources[index])
+                return handle if placement.stacked or index in point_of_use else handle._gathered()
             return leaf.astype(dtype)
 
         return jax.tree.unflatten(treedef, [prepare(i, p, x) for i, (p, x) in enumerate(zip(placements, leaves))])
@@ -178,13 +207,13 @@ class Engine:
         loss, aux = _split_loss_output(out)
         return loss, aux, new_state
 
-    def _traced_loss(self, ctx: LayerContext, point_of_use: set, params, batch, rng, model_state):
+    def _traced_loss(self, ctx: LayerContext, point_of_use: set, params, batch, rng, model_state, sources=None):
         """The user's loss as the engine traces it (inside shard_map): under the loss scope (context,
         Linen groups), on compute-dtype parameters (handles for `point_of_use`) and batch."""
         def loss(params, batch, rng, model_state):
             with loss_scope(ctx):
-                return self._call_loss(self._params_for_compute(params, point_of_use), self._cast_batch(batch),
-                                       rng, model_state)
+                return self._call_loss(self._params_for_compute(params, point_of_use, sources),
+                                       self._cast_batch(batch), rng, model_state)
 
         policy = loss_remat_policy(ctx.remat)
         probe = self._probe_usage
@@ -229,8 +258,9 @@ class Engine:
         first = jax.tree.map(lambda x: x[: x.shape[0] // self.config.grad_accum_steps], batch)  # one micro-batch
 
         def local(params, batch, model_state):
+            params, sources = self._gradient_sinks(params)
             loss, _, _ = self._traced_loss(self._context(usage), _all_leaves(params), params, batch,
-                                           jax.random.PRNGKey(0), model_state)
+                                           jax.random.PRNGKey(0), model_state, sources)
             return loss
 
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
@@ -257,9 +287,21 @@ class Engine:
                 "stream, as zeroflax.models.gpt does, or set sequence_parallel False)", stacklevel=3)
         return usage
 
+    def _gradient_sinks(self, params):
+        """(params, sources): with offload_param, each streamed leaf (a host shard) is replaced by a
+        device array of its shape that receives its gradient, and listed in `sources` (flattened, None
+        elsewhere); without it, (params, None)."""
+        streamed = self.plan.streamed()
+        if not any(streamed):
+            return params, None
+        leaves, treedef = jax.tree.flatten(params)
+        sinks = [jnp.zeros(x.shape, x.dtype) if s else x for x, s in zip(leaves, streamed)]
+        return treedef.unflatten(sinks), [x if s else None for x, s in zip(leaves, streamed)]
+
     def _local_grads(self, params, batch, rng, scale, model_state):
         """Per device (manual over `data`): loss and synchronised gradients of its micro-batches."""
         config = self.config
+        params, sources = self._gradient_sinks(params)
         accum = config.grad_accum_steps
         micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
         device_rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))
@@ -282,7 +324,7 @@ class Engine:
 
         def micro_grads(micro_batch, micro_rng, state):
             def scaled_loss(p):
-                loss, aux, new_state = self._traced_loss(ctx, point_of_use, p, micro_batch, micro_rng, state)
+                loss, aux, new_state = self._traced_loss(ctx, point_of_use, p, micro_batch, micro_rng, state, sources)
                 loss = loss.astype(jnp.float32)
                 return loss * (scale * weight), (loss, aux, new_state)
 
@@ -361,8 +403,20 @@ class Engine:
         return self._reordered("state", state, True)
 
     def storage_order(self, state: TrainState) -> TrainState:
-        """The inverse of `model_order`: a model-order state (fresh, or restored) as this engine holds it."""
-        return self._reordered("state", state, False)
+        """The inverse of `model_order`: a model-order state (fresh, or restored) as this engine holds it,
+        with its offload compute copy made from its master weights."""
+        return self.with_compute_copy(self._reordered("state", state, False))
+
+    def with_compute_copy(self, state: TrainState) -> TrainState:
+        """Under offload, `state` with the device's compute copy made from its master weights (after a
+        restore, or a change to `state.params`); `state` itself otherwise."""
+        if not self.plan.offload:
+            return state
+        if self._jit_compute_copy is None:
+            to_device = lambda params: jax.device_put(params, _on_device(self.plan.params))
+            self._jit_compute_copy = jax.jit(lambda params: self._compute_copy(to_device(params)),
+                                             out_shardings=self.plan.compute)
+        return state.replace(compute_params=self._jit_compute_copy(state.params))
 
     def model_params(self, state: TrainState):
         """`state.params` in model order (layer i of the stack is the model's layer i)."""
@@ -391,32 +445,132 @@ class Engine:
         return fn(params, batch, rng, scale, model_state)
 
     # ------------------------------------------------------------------------------- train step
+    def _update(self, params, opt_state, grads, apply=None):
+        """(params, opt_state, grad_norm, finite): clip, `optimizer.update` and apply, on shards. The step
+        is skipped (the old values kept) when the gradient is not finite (fp16) or `apply` is False."""
+        config = self.config
+        fp16 = config.precision == "fp16"
+        # optax.tree.norm's sum, written so that it creates no device constant: under offload this runs
+        # on the host, where jax (0.10) refuses to mix memory spaces.
+        grad_norm = jnp.sqrt(functools.reduce(jnp.add, [jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)]))
+        finite = jnp.isfinite(grad_norm) if fp16 else True
+        if config.grad_clip > 0:
+            # optax.clip_by_global_norm's rule, so a clipped step equals optax's chain.
+            factor = jnp.where(grad_norm < config.grad_clip, 1.0, config.grad_clip / grad_norm)
+            grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if fp16 or apply is not None:
+            take = finite if apply is None else apply & finite
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(take, a, b), new, old)
+            new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+        return new_params, new_opt_state, grad_norm, finite
+
+    def _compute_copy(self, params):
+        """The compute-dtype copy of the master weights that the device keeps under offload (None for
+        the leaves streamed from the host)."""
+        dtype = self.config.compute_dtype
+        cast = lambda c, p: None if c is None else (p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p)
+        return jax.tree.map(cast, self.plan.compute, params, is_leaf=_is_none)
+
+    def _loss_params(self, state: TrainState):
+        """What the loss differentiates: the master weights, or under offload the device's compute copy
+        upcast to the master dtype (so gradients are reduced in fp32, as without offload) and, for
+        leaves streamed from the host, the host master shards."""
+        if not self.plan.offload:
+            return state.params
+        return jax.tree.map(lambda c, p: p if c is None else c.astype(p.dtype), state.compute_params, state.params,
+                            is_leaf=_is_none)
+
+    def _offloaded_update(self, state: TrainState, grads):
+        """The update with the master weights and optimizer state on the host (see the module doc).
+        Returns (params, opt_state, compute_params, pending_grads, grad_norm, finite)."""
+        plan, offload = self.plan, self.config.offload_optimizer
+        # device -> host: the reduced gradient shards (the device update keeps them where they are)
+        host_grads = jax.device_put(grads, plan.host_grads) if offload.update == "host" else grads
+        apply = None
+        if offload.delayed_update:
+            # Apply the previous step's gradients (none yet at step 0); keep this step's for the next.
+            host_grads, pending, apply = state.pending_grads, host_grads, state.step > 0
+        else:
+            pending = None
+
+        def update(params, opt_state, grads, apply, params_layout=plan.params):
+            params, opt_state, grad_norm, finite = self._update(params, opt_state, grads, apply)
+            # Pinned to the master's layout: the compute copy's all-gather (stages 1-2) happens later, on
+            # the device; unpinned, XLA gathers the delayed update's select on the host instead.
+            params = jax.lax.with_sharding_constraint(params, params_layout)
+            return params, opt_state, self._compute_copy(params), grad_norm, finite
+
+        host_scalar = NamedSharding(self.mesh, P(), memory_kind=self.config.host_memory_kind)
+        if offload.update == "host":
+            apply = None if apply is None else jax.device_put(apply, host_scalar)
+            try:
+                params, opt_state, compute, grad_norm, finite = compute_on("device_host")(jax.jit(update))(
+                    state.params, state.opt_state, host_grads, apply)
+            except ValueError as error:
+                if "memory_space" not in str(error):
+                    raise
+                raise ConfigError("OffloadOptimizerConfig.update", "this optimizer cannot run on host memory: it "
+                                  f"makes device constants in its update ({str(error).splitlines()[0]}); with jax "
+                                  f"{jax.__version__} adam, adamw, sgd and lion can", "use update='device', or "
+                                  "Config.grad_clip instead of optax.clip_by_global_norm") from error
+            grad_norm, finite = jax.device_put((grad_norm, jnp.asarray(finite)), plan.replicated)
+        else:  # on the device: the state comes over and goes back
+            on_device = lambda tree, shardings: jax.device_put(tree, _on_device(shardings))
+            params, opt_state, compute, grad_norm, finite = update(
+                on_device(state.params, plan.params), on_device(state.opt_state, plan.opt_state), grads, apply,
+                _on_device(plan.params))
+            finite = jnp.asarray(finite)
+            params, opt_state = jax.device_put((params, opt_state), (plan.params, plan.opt_state))
+        # The compute copy comes to the device as the master is laid out (a shard per device), and
+        # takes its own layout there (stages 1-2: whole, by an all-gather on the device).
+        shard_layout = jax.tree.map(lambda c, s: None if c is None else s, plan.compute, _on_device(plan.params),
+                                    is_leaf=_is_none)
+        compute = self._gather_compute_copy(jax.device_put(compute, shard_layout))
+        return params, opt_state, compute, pending, grad_norm, finite
+
+    def _gather_compute_copy(self, shards):
+        """Stages 1-2 under offload: the compute copy's shards all-gathered over `data` on the device, in
+        the compute dtype (`all_gather_exact`: bf16 travels as bf16 on every backend); stage 3 keeps them."""
+        if self.config.zero_stage == 3:
+            return shards
+        placements = self.plan.placements
+
+        def gather(placement: LeafPlacement, shard):
+            if placement.zero_dim is None:
+                return shard
+            return on_slices(lambda s: all_gather_exact(s, placement.zero_dim, DATA_AXIS), shard, placement.auto_spec())
+
+        local = lambda tree: jax.tree.map(gather, placements, tree, is_leaf=_is_placement)
+        specs = lambda spec: jax.tree.map(spec, placements, is_leaf=_is_placement)
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(specs(LeafPlacement.data_spec),),
+                           out_specs=specs(LeafPlacement.pipe_spec), axis_names=self.manual_axes, check_vma=False)
+        return jax.lax.with_sharding_constraint(fn(shards), self.plan.compute)
+
     def _train_step(self, state: TrainState, batch):
         config, plan = self.config, self.plan
         fp16 = config.precision == "fp16"
         dynamic_scaling = fp16 and config.loss_scale.loss_scale == 0
         rng = jax.random.fold_in(state.rng, state.step)
         scale = state.loss_scale.scale
-        grads, loss, aux, model_state = self._sharded_grads(state.params, batch, rng, scale, state.model_state)
+        grads, loss, aux, model_state = self._sharded_grads(self._loss_params(state), batch, rng, scale,
+                                                            state.model_state)
         grads = jax.lax.with_sharding_constraint(grads, plan.grads)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm) if fp16 else jnp.asarray(True)
-        if config.grad_clip > 0:
-            # optax.clip_by_global_norm's rule, so a clipped step equals optax's chain.
-            factor = jnp.where(grad_norm < config.grad_clip, 1.0, config.grad_clip / grad_norm)
-            grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
-        # Stages 1-2: the update runs on this device's shard of replicated parameters (a free slice).
-        params_view = jax.lax.with_sharding_constraint(state.params, plan.grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, params_view)
-        params = optax.apply_updates(params_view, updates)
-        params = jax.lax.with_sharding_constraint(params, plan.params)
-        opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_state)
-        if fp16:
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        compute = pending = None
+        if plan.offload:
+            params, opt_state, compute, pending, grad_norm, finite = self._offloaded_update(state, grads)
+        else:
+            # Stages 1-2: the update runs on this device's shard of replicated parameters (a free slice).
+            params_view = jax.lax.with_sharding_constraint(state.params, plan.grads)
+            params, opt_state, grad_norm, finite = self._update(params_view, state.opt_state, grads)
+            finite = jnp.asarray(finite)
+            params = jax.lax.with_sharding_constraint(params, plan.params)
+            opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_state)
         loss_scale = update_loss_scale(state.loss_scale, ~finite, config.loss_scale, dynamic_scaling)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                               loss_scale=loss_scale, rng=state.rng, model_state=model_state)
+                               loss_scale=loss_scale, rng=state.rng, model_state=model_state,
+                               compute_params=compute, pending_grads=pending)
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": ~finite}
         if aux is not None:
             metrics["aux"] = aux
@@ -483,6 +637,8 @@ class Engine:
 
             def eval_loss(params, batch, model_state):
                 dtype = self.config.compute_dtype
+                if self.plan.offload:  # the master weights, from the host
+                    params = jax.device_put(params, _on_device(self.plan.params))
                 if model_order is not None:
                     params = model_order(params)
                 loss, _, _ = self._call_loss(_floats_to(params, dtype), _floats_to(batch, dtype), None, model_state)
@@ -580,6 +736,10 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
         init_params, init_state = jax.jit(lambda tree, st: (tree, st), out_shardings=(plan.params, state_sharding))(
             params, unbox(state_tree)[0] if collections else None)
     opt_state = jax.jit(optimizer.init, out_shardings=plan.opt_state)(init_params)
+    pending = None
+    if config.offload_optimizer.delayed_update:
+        zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_params)
+        pending = jax.jit(zeros, out_shardings=plan.host_grads)()
     state = TrainState(
         step=jnp.asarray(0, jnp.int32),
         params=init_params,
@@ -587,6 +747,8 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
         loss_scale=init_loss_scale(config.loss_scale, config.precision == "fp16"),
         rng=step_rng,
         model_state=init_state,
+        pending_grads=pending,
     )
+    state = engine.with_compute_copy(state)
     state = engine.storage_order(jax.device_put(state, engine.state_shardings))
     return engine, state

@@ -10,6 +10,11 @@ It lives in the temporaries.
 Theory (design.md section 4) for model states at rest, with Psi parameters, N data-parallel devices,
 P the parameters' bytes per element and K the optimizer state's bytes per parameter (Adam: 8):
     stage 0: (P + K) Psi    stages 1, 2: P Psi + K Psi / N    stage 3: (P + K) Psi / N
+With offload (Config.offload_optimizer) the model states split into host and device memory, each
+category by the memory kind of its shardings: on the host (P + K) Psi / N at every stage; on the device
+the compute-dtype copy, C Psi (stages 1-2), C Psi / N (stage 3), and with offload_param only the leaves
+below the persistence threshold. XLA's own host figures (memory_analysis' host_* fields) are reported
+beside them; the CPU backend leaves them 0, as its host memory is its device memory.
 """
 from __future__ import annotations
 
@@ -48,11 +53,28 @@ class MemoryReport:
     gathered_wide_copies: int = 0  # wider (fp32) copies of them alive then (XLA:CPU's bf16 matmuls)
     groups: dict = dataclasses.field(default_factory=dict)  # gather group -> parameter elements
     gathered_on_entry: list = dataclasses.field(default_factory=list)  # leaves the loss uses unhandled
+    # Offload: bytes per device in host memory (by the state's memory kinds) and the device's compute copy.
+    compute_params: int = 0  # the compute-dtype copy of the parameters (device)
+    pending_grads: int = 0  # the delayed update's gradients (host)
+    host_params: int = 0  # of `params`, in host memory
+    host_opt_state: int = 0  # of `opt_state`, in host memory
+    theory_device: float = 0.0  # offload: model states the device should hold at rest
+    theory_host: float = 0.0  # offload: model states the host should hold (per device)
+    xla_host: dict = dataclasses.field(default_factory=dict)  # memory_analysis' host_* fields (0 on CPU)
 
     @property
     def at_rest(self) -> int:
-        """Model states at rest: parameters and optimizer state held by one device."""
-        return self.params + self.opt_state
+        """Model states at rest: parameters (and their compute copy) and optimizer state held for one
+        device, in its memory and, under offload, in host memory."""
+        return self.params + self.opt_state + self.compute_params
+
+    @property
+    def host_at_rest(self) -> int:
+        return self.host_params + self.host_opt_state
+
+    @property
+    def device_at_rest(self) -> int:
+        return self.at_rest - self.host_at_rest
 
     @property
     def ratio(self) -> float:
@@ -60,7 +82,7 @@ class MemoryReport:
 
     @property
     def unaccounted(self) -> int:
-        return self.argument - (self.params + self.opt_state + self.other_state + self.batch)
+        return self.argument - (self.at_rest + self.pending_grads + self.other_state + self.batch)
 
     @property
     def peak_estimate(self) -> int:
@@ -70,7 +92,7 @@ class MemoryReport:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out.update(at_rest=self.at_rest, ratio=self.ratio, unaccounted=self.unaccounted,
-                   peak_estimate=self.peak_estimate)
+                   peak_estimate=self.peak_estimate, host_at_rest=self.host_at_rest, device_at_rest=self.device_at_rest)
         return json.loads(json.dumps(out))
 
     def __str__(self) -> str:
@@ -88,6 +110,17 @@ class MemoryReport:
         lines += [f"  {name:<28}{mib(value)}" for name, value in rows]
         lines.append(f"  {'model states at rest':<28}{mib(self.at_rest)}   theory {self.theory_at_rest / 2**20:.2f} MiB,"
                      f" ratio {self.ratio:.3f}")
+        if self.theory_host:
+            lines += [
+                "  offload, from the state's memory kinds:",
+                f"  {'  compute copy (device)':<28}{mib(self.compute_params)}",
+                f"  {'  params in host memory':<28}{mib(self.host_params)}",
+                f"  {'  opt state in host memory':<28}{mib(self.host_opt_state)}",
+                f"  {'  delayed-update grads (host)':<28}{mib(self.pending_grads)}",
+                f"  {'  device at rest':<28}{mib(self.device_at_rest)}   theory {self.theory_device / 2**20:.2f} MiB",
+                f"  {'  host at rest':<28}{mib(self.host_at_rest)}   theory {self.theory_host / 2**20:.2f} MiB",
+                "  XLA's host figures (memory_analysis; 0 on the CPU backend): "
+                + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.xla_host.items())]
         if self.pipe_size > 1:
             lines.append(f"  pipeline bubble: {self.bubble_fraction:.3f} of each stage's ticks idle")
         if self.stage == 3:
@@ -119,14 +152,41 @@ def theory_at_rest(stage: int, num_params: int, data_size: int, param_bytes: flo
     return (params + opt) / model_parallel
 
 
+def split_bytes(abstract_tree, sharding_tree) -> tuple[int, int]:
+    """(all, in host memory): bytes one device's share of the tree takes, and those in a host memory kind."""
+    pairs = list(zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(sharding_tree)))
+    total = sum(shard_bytes(a, s) for a, s in pairs)
+    host = sum(shard_bytes(a, s) for a, s in pairs if (s.memory_kind or "device").endswith("host"))
+    return total, host
+
+
+def offload_theory(engine) -> tuple[float, float]:
+    """(device, host) bytes of model states at rest per device under offload (module docstring)."""
+    config, plan = engine.config, engine.plan
+    leaves = jax.tree.leaves(engine.abstract_params)
+    num_params = sum(int(np.prod(x.shape)) for x in leaves)
+    master = sum(_bytes(x) for x in leaves) / num_params
+    opt = sum(_bytes(x) for x in jax.tree.leaves(jax.eval_shape(engine.optimizer.init, engine.abstract_params)))
+    compute = np.dtype(config.compute_dtype).itemsize
+    if config.offload_param.enabled:  # only the persistent (never partitioned) leaves stay
+        placements = jax.tree.leaves(plan.placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
+        device = compute * sum(int(np.prod(p.shape)) for p in placements if p.zero_dim is None)
+    else:
+        device = compute * num_params / (engine.data_size if config.zero_stage == 3 else 1)
+    pipe, tensor = engine.mesh.shape.get("pipe", 1), engine.mesh.shape.get("tensor", 1)
+    return device / (pipe * tensor), (master * num_params + opt) / engine.data_size / (pipe * tensor)
+
+
 def memory_report(engine, state, batch) -> MemoryReport:
     compiled = engine.compile(state, batch)
     stats = compiled.memory_analysis()
     plan = engine.plan
     shardings = engine.state_shardings
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
-    params = shard_bytes(abstract.params, shardings.params)
-    opt = shard_bytes(abstract.opt_state, shardings.opt_state)
+    params, host_params = split_bytes(abstract.params, shardings.params)
+    opt, host_opt = split_bytes(abstract.opt_state, shardings.opt_state)
+    compute_params = shard_bytes(abstract.compute_params, shardings.compute_params)
+    pending = shard_bytes(abstract.pending_grads, shardings.pending_grads)
     other = (shard_bytes(abstract.step, shardings.step) + shard_bytes(abstract.rng, shardings.rng)
              + shard_bytes(abstract.loss_scale, shardings.loss_scale))
     # Host data is this process's rows of the batch; every device holds 1/data_size of the whole.
@@ -147,13 +207,22 @@ def memory_report(engine, state, batch) -> MemoryReport:
                         groups=dict(engine.probe_usage.groups), gathered_on_entry=engine.gathered_on_entry())
     full_opt = sum(_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
     pipe, tensor = engine.mesh.shape.get("pipe", 1), engine.mesh.shape.get("tensor", 1)
+    offload = {}
+    if plan.offload:
+        theory_device, theory_host = offload_theory(engine)
+        offload = dict(theory_device=theory_device, theory_host=theory_host)
+    xla_host = {name: getattr(stats, f"host_{name}_size_in_bytes", 0) for name in ("argument", "output", "temp")}
+    theory = theory_at_rest(engine.config.zero_stage, num_params, engine.data_size, full_params / num_params,
+                            full_opt / num_params, pipe * tensor)
+    if offload:
+        theory = offload["theory_device"] + offload["theory_host"]
     return MemoryReport(
         stage=engine.config.zero_stage, data_size=engine.data_size, num_params=num_params,
         params=params, opt_state=opt, grad_buffer=grads, other_state=other, batch=batch_bytes,
         argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
         temp=stats.temp_size_in_bytes, alias=stats.alias_size_in_bytes,
-        theory_at_rest=theory_at_rest(engine.config.zero_stage, num_params, engine.data_size,
-                                      full_params / num_params, full_opt / num_params, pipe * tensor),
+        theory_at_rest=theory, compute_params=compute_params, pending_grads=pending, host_params=host_params,
+        host_opt_state=host_opt, xla_host=xla_host, **offload,
         pipe_size=pipe, tensor_size=tensor,
         bubble_fraction=engine.schedule.bubble_fraction() if engine.schedule is not None else 0.0, **gathered)
 

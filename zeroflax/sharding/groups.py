@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroflax.sharding.layers import current_context, gather, is_handle, layer_context, mark_boundary, remat_policy
+from zeroflax.sharding.layers import current_context, gather, in_host_memory, is_handle, layer_context, mark_boundary, remat_policy
 
 GROUP_SCOPE, GROUP_SCOPE_END = "zeroflax_group[", "]"
 _group_depth = [0]
@@ -168,9 +168,15 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
     def call_group_fwd(v, dyn, a):
         return jax.vjp(checkpointed, v, dyn, a)  # (outputs, pullback): the pullback holds the residuals
 
+    # Host-memory leaves (offload_param's sources) get no cotangent: their gradient is their sink's.
+    on_host = [in_host_memory(x) for x in jax.tree.leaves(variables)]
+
     def call_group_bwd(pullback, cotangent):
         pullback = _tie(pullback, _anchor(cotangent))
         grad_v, grad_dyn, grad_a = pullback(cotangent)
+        if any(on_host):
+            flat, tree = jax.tree.flatten(grad_v)
+            grad_v = tree.unflatten([None if host else g for g, host in zip(flat, on_host)])
         return grad_v, _tie(grad_dyn, _anchor(grad_v, every=True)), grad_a
 
     call_group.defvjp(call_group_fwd, call_group_bwd)

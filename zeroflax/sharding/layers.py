@@ -156,12 +156,13 @@ def gather_for_compute(shard, dim: int, axis: str, compute_dtype, quant_block: i
     sliced: the automatic mesh axis (tensor) slicing each dimension, or None: the gather and its
     reduce-scatter move this device's tensor slice only (`sharding.manual`).
     """
-    def gather(shard):
-        if quant_block:
-            return _quantized_all_gather(shard, dim, axis, compute_dtype, quant_block)
-        return all_gather_exact(shard.astype(compute_dtype), dim, axis)
+    return on_slices(lambda s: _gather_shard(s, dim, axis, compute_dtype, quant_block), shard, sliced)
 
-    return on_slices(gather, shard, sliced)
+
+def _gather_shard(shard, dim: int, axis: str, compute_dtype, quant_block: int):
+    if quant_block:
+        return _quantized_all_gather(shard, dim, axis, compute_dtype, quant_block)
+    return all_gather_exact(shard.astype(compute_dtype), dim, axis)
 
 
 def _gather_fwd(shard, dim, axis, compute_dtype, quant_block, sliced):
@@ -177,6 +178,39 @@ def _gather_bwd(dim, axis, compute_dtype, quant_block, sliced, dtype_carrier, co
 gather_for_compute.defvjp(_gather_fwd, _gather_bwd)
 
 
+def in_host_memory(x) -> bool:
+    """Whether x (an array or tracer) is typed as living in host memory."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def gather_from_host(sink, source, dim: int, axis: str, compute_dtype, quant_block: int = 0, sliced: tuple = ()):
+    """`gather_for_compute` of a shard held in host memory (ZeRO-3 with `offload_param`).
+
+    `source`, this device's shard of the master weights on the host, comes to the device and is
+    gathered there. Its gradient (the reduce-scatter) is `sink`'s: a device array of the shard's shape
+    that the forward pass never reads, so gradients stay on the device, like every other leaf's, and
+    reach the host once per step with them rather than once per layer and micro-batch.
+    """
+    del sink
+    # Per tensor slice: each device streams only its own slice of the shard.
+    stream = lambda s: _gather_shard(jax.device_put(s, jax.memory.Space.Device), dim, axis, compute_dtype, quant_block)
+    return on_slices(stream, source, sliced)
+
+
+def _from_host_fwd(sink, source, dim, axis, compute_dtype, quant_block, sliced):
+    out = gather_from_host(sink, source, dim, axis, compute_dtype, quant_block, sliced)
+    return out, jnp.zeros((0,), sink.dtype)
+
+
+def _from_host_bwd(dim, axis, compute_dtype, quant_block, sliced, dtype_carrier, cotangent):
+    (grad,) = _gather_bwd(dim, axis, compute_dtype, quant_block, sliced, dtype_carrier, cotangent)
+    return grad, None
+
+
+gather_from_host.defvjp(_from_host_fwd, _from_host_bwd)
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass
 class ShardedLeaf:
@@ -187,6 +221,8 @@ class ShardedLeaf:
     handle, and each layer's slice is gathered on its own. `shape` is the whole (gathered) shape of one
     slice; `index` is the leaf's position in the flattened parameters (for the engine's bookkeeping);
     `sliced` names the automatic mesh axis (tensor) slicing each dimension of one slice, or None.
+    With `source` (offload_param), the shard lives on the host and `shard` is its device gradient
+    sink (see `gather_from_host`).
     """
 
     shard: Any
@@ -197,14 +233,15 @@ class ShardedLeaf:
     index: int = -1
     quant_block: int = 0
     sliced: tuple = ()
+    source: Any = None
 
     def tree_flatten(self):
-        return (self.shard,), (self.dim, self.axis, self.compute_dtype, self.shape, self.index, self.quant_block,
+        return (self.shard, self.source), (self.dim, self.axis, self.compute_dtype, self.shape, self.index, self.quant_block,
                                self.sliced)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
+        return cls(children[0], *aux, source=children[1])
 
     @property
     def stacked(self) -> bool:
@@ -227,13 +264,19 @@ class ShardedLeaf:
         usage = current_usage()
         if usage is not None:
             usage.gathered.add(self.index)
+        return self._gathered()
+
+    def _gathered(self):
+        if self.source is not None:
+            return gather_from_host(self.shard, self.source, self.dim, self.axis, self.compute_dtype,
+                                    self.quant_block, self.sliced)
         return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block, self.sliced)
 
     def __jax_array__(self):
         usage = current_usage()
         if usage is not None and usage.probe:  # the engine's probe: note the raw use, keep tracing
             usage.raw.add(self.index)
-            return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block, self.sliced)
+            return self._gathered()
         raise TypeError(
             "this parameter is held ZeRO-3 sharded; gather it where it is used with zeroflax.gather(...), run "
             "its module as a gather group (Flax modules are, automatically) or iterate over a stack of layers "
@@ -273,6 +316,8 @@ def remat_policy(name: str):
         "full": policies.nothing_saveable,
         "dots": policies.dots_saveable,
         "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
+        # MaxText's activation offload: what 'dots_no_batch' saves goes to host memory instead.
+        "offload_dots_no_batch": policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
     }[name]
 
 
@@ -294,8 +339,13 @@ def loss_remat_policy(name: str):
     policy = remat_policy(name)
     if policy is None:
         return None
-    return jax.checkpoint_policies.save_from_both_policies(
-        policy, jax.checkpoint_policies.save_only_these_names(BOUNDARY))
+    boundary = jax.checkpoint_policies.save_only_these_names(BOUNDARY)
+
+    # Boundaries are saved on the device; anything else as the block policy says (an offloading
+    # policy answers with an Offloadable, which save_from_both_policies would refuse).
+    def keep_boundaries(prim, *args, **params):
+        return True if boundary(prim, *args, **params) else policy(prim, *args, **params)
+    return keep_boundaries
 
 
 def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | None = None, unroll: int = 1):

@@ -17,7 +17,11 @@ Which states carry the data axis is the one table ZeRO is about:
     2       -        data    data      (and accumulated sharded across micro-batches)
     3       data     data    data
 
-Everything that decides where an array lives (memory kind included, when offload arrives) belongs here.
+Offload (ZeRO-Offload) adds memory kinds, decided here too: with `Config.offload_optimizer` the fp32
+master weights and the optimizer state are in host memory, partitioned over `data` at every stage
+(12 bytes per parameter / N), and the device keeps a compute-dtype copy of the parameters, laid out as
+the loss receives them (whole at stages 1-2, a shard at stage 3). With `Config.offload_param` the device
+keeps no copy of a ZeRO-partitioned leaf: the gather streams its master shard from the host.
 """
 from __future__ import annotations
 
@@ -163,9 +167,23 @@ class ShardingPlan:
     mesh: Mesh
     stage: int
     placements: Any  # tree of LeafPlacement (params structure)
-    params: Any  # tree of NamedSharding: parameters at rest
-    grads: Any  # tree of NamedSharding: reduced gradients
+    params: Any  # tree of NamedSharding: (master) parameters at rest
+    grads: Any  # tree of NamedSharding: reduced gradients (on the device)
     opt_state: Any  # tree of NamedSharding: optimizer state at rest
+    # Offload only (else None): the device's compute-dtype copy of the parameters (None for a leaf
+    # streamed from the host), and the reduced gradients' place on the host.
+    compute: Any = None
+    host_grads: Any = None
+
+    @property
+    def offload(self) -> bool:
+        return self.compute is not None
+
+    def streamed(self) -> list[bool]:
+        """Per parameter leaf (flattened): is it streamed from the host where it is gathered?"""
+        if self.compute is None:
+            return [False] * len(jax.tree.leaves(self.placements, is_leaf=_is_placement))
+        return [c is None for c in jax.tree.leaves(self.compute, is_leaf=lambda x: x is None)]
 
     @property
     def replicated(self) -> NamedSharding:
@@ -183,12 +201,13 @@ class ShardingPlan:
                             is_leaf=_is_placement)
 
 
-def _sharding_tree(mesh, placements, with_data: bool):
-    return jax.tree.map(lambda p: NamedSharding(mesh, p.spec(with_data)), placements, is_leaf=_is_placement)
+def _sharding_tree(mesh, placements, with_data: bool, memory_kind: str | None = None):
+    return jax.tree.map(lambda p: NamedSharding(mesh, p.spec(with_data), memory_kind=memory_kind), placements,
+                        is_leaf=_is_placement)
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_state, placements, mesh: Mesh,
-                        config: Config, with_data: bool):
+                        config: Config, with_data: bool, memory_kind: str | None = None):
     """Shardings of the optimizer state, derived from its abstract shape.
 
     Parameter-shaped parts (found with `optax.tree_map_params`, i.e. by position in the params
@@ -202,14 +221,14 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_st
         if not hasattr(state_leaf, "shape"):
             return state_leaf
         if tuple(state_leaf.shape) == placement.shape:
-            return NamedSharding(mesh, placement.spec(with_data))
+            return NamedSharding(mesh, placement.spec(with_data), memory_kind=memory_kind)
         shape = tuple(state_leaf.shape)
         base = (None,) * len(shape)
         zero_dim = choose_zero_dim(shape, base, data_size, config.persistence_threshold, False)
-        return NamedSharding(mesh, LeafPlacement(shape, base, zero_dim, False).spec(with_data))
+        return NamedSharding(mesh, LeafPlacement(shape, base, zero_dim, False).spec(with_data), memory_kind=memory_kind)
 
     def for_other(state_leaf):
-        return NamedSharding(mesh, P()) if hasattr(state_leaf, "shape") else state_leaf
+        return NamedSharding(mesh, P(), memory_kind=memory_kind) if hasattr(state_leaf, "shape") else state_leaf
 
     return optax.tree_map_params(optimizer, for_param_slot, abstract_opt_state, placements,
                                  transform_non_params=for_other, is_leaf=_is_placement)
@@ -220,13 +239,24 @@ def make_plan(optimizer, abstract_params, logical_axes, mesh: Mesh, config: Conf
     which = ZERO_PARTITIONED[stage]
     placements = place_params(abstract_params, logical_axes, mesh, config)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    offload = config.offload_optimizer.enabled
+    host = config.host_memory_kind if offload else None
+    compute = host_grads = None
+    if offload:
+        stream = config.offload_param.enabled
+        compute = jax.tree.map(lambda p: None if stream and p.zero_dim is not None
+                               else NamedSharding(mesh, p.spec(which["params"])), placements, is_leaf=_is_placement)
+        host_grads = _sharding_tree(mesh, placements, which["grads"], host)
     return ShardingPlan(
         mesh=mesh,
         stage=stage,
         placements=placements,
-        params=_sharding_tree(mesh, placements, which["params"]),
+        # Offloaded master weights are partitioned like the optimizer state they are updated with.
+        params=_sharding_tree(mesh, placements, which["params"] or offload, host),
         grads=_sharding_tree(mesh, placements, which["grads"]),
-        opt_state=opt_state_shardings(optimizer, abstract_opt, placements, mesh, config, which["opt_state"]),
+        opt_state=opt_state_shardings(optimizer, abstract_opt, placements, mesh, config, which["opt_state"], host),
+        compute=compute,
+        host_grads=host_grads,
     )
 
 
