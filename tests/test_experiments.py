@@ -34,6 +34,8 @@ def test_gin_file_builds_valid_configs(path, monkeypatch):
             assert config.precision == precision
     if "qwz" in name:
         assert config.quantized_weights and config.zero_stage == 3 and config.precision == "bf16"
+    if "offload" in name:
+        assert config.offload_optimizer.enabled and config.offload_param.enabled and config.zero_stage == 3
     if "sparse" in name:
         assert model.attention == "sparse" and model.sparsity.num_heads == model.num_heads
         model.sparsity.make_layout(train.seq_len)

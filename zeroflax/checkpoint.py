@@ -32,6 +32,8 @@ def _train_item(state) -> dict:
     item = {"opt_state": state.opt_state, "loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
     if state.model_state is not None:
         item["model_state"] = state.model_state
+    if state.pending_grads is not None:  # offload's delayed update: the gradient the next step applies
+        item["pending_grads"] = state.pending_grads
     return item
 
 
@@ -81,8 +83,10 @@ class Checkpointer:
             raise CheckpointError(f"corrupt or incompatible checkpoint: cannot restore step {step} from {self.directory}: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
         t = restored["train"]
+        # The offload compute copy is not stored: Engine.storage_order (or with_compute_copy) remakes it.
         new_state = state.replace(params=restored["params"], opt_state=t["opt_state"], loss_scale=t["loss_scale"],
-                                  step=t["step"], rng=t["rng"], model_state=t.get("model_state"))
+                                  step=t["step"], rng=t["rng"], model_state=t.get("model_state"),
+                                  pending_grads=t.get("pending_grads"))
         return new_state, restored["data"], restored["meta"]
 
     def wait(self) -> None:

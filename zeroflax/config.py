@@ -150,12 +150,16 @@ class OffloadOptimizerConfig:
     delayed_update: ZeRO-Offload's delayed parameter update (DPU): the host update of step t's gradient
         runs beside step t+1's forward and backward, which use parameters one step stale. Off by default;
         see docs/offload.md for its effect on the loss.
+    delayed_update_start: the first step whose update is delayed; the steps before it update at once
+        (ZeRO-Offload's paper turns DPU on after the first few tens of iterations, when the gradients
+        change fastest: from step 0 the main job ends far worse, docs/offload.md).
     """
 
     device: str = "none"
     pin_memory: bool = True
     update: str = "host"
     delayed_update: bool = False
+    delayed_update_start: int = 50
 
     def __post_init__(self):
         k = "OffloadOptimizerConfig."
@@ -168,6 +172,8 @@ class OffloadOptimizerConfig:
                  f"use one of {', '.join(OFFLOAD_UPDATES)}")
         _require(isinstance(self.delayed_update, bool), k + "delayed_update",
                  f"must be True or False, got {self.delayed_update!r}")
+        _require(_is_int(self.delayed_update_start) and self.delayed_update_start >= 0, k + "delayed_update_start",
+                 f"must be an integer >= 0, got {self.delayed_update_start!r}")
         _require(not (self.delayed_update and self.update != "host"), k + "delayed_update",
                  "overlaps the host update with the next step's forward and backward, but update is "
                  f"{self.update!r}", "set update='host', or delayed_update False")

@@ -154,7 +154,9 @@ class Engine:
             rng=plan.replicated, model_state=jax.tree.map(lambda _: plan.replicated, abstract_model_state),
             compute_params=plan.compute, pending_grads=plan.host_grads if delayed else None)
         self._jit_compute_copy = None
-        self._jit_step = None
+        self._jit_steps: dict = {}  # delayed (bool) -> the jitted step
+        self._step_count: int | None = None  # the step number of the state `step` last returned
+        self._last_step = None  # ... and that state's step array, to recognise it
         self._jit_eval = None
         self._compiled: dict = {}
 
@@ -482,18 +484,17 @@ class Engine:
         return jax.tree.map(lambda c, p: p if c is None else c.astype(p.dtype), state.compute_params, state.params,
                             is_leaf=_is_none)
 
-    def _offloaded_update(self, state: TrainState, grads):
-        """The update with the master weights and optimizer state on the host (see the module doc).
+    def _offloaded_update(self, state: TrainState, grads, delayed: bool):
+        """The update with the master weights and optimizer state on the host (see the module doc);
+        `delayed`: the delayed update's steady state (from `delayed_update_start` on).
         Returns (params, opt_state, compute_params, pending_grads, grad_norm, finite)."""
         plan, offload = self.plan, self.config.offload_optimizer
         # device -> host: the reduced gradient shards (the device update keeps them where they are)
         host_grads = jax.device_put(grads, plan.host_grads) if offload.update == "host" else grads
-        apply = None
-        if offload.delayed_update:
-            # Apply the previous step's gradients (none yet at step 0); keep this step's for the next.
-            host_grads, pending, apply = state.pending_grads, host_grads, state.step > 0
-        else:
-            pending = None
+        apply, pending = None, state.pending_grads
+        if offload.delayed_update and delayed:
+            # Apply the previous step's gradients (none yet at the first delayed step); keep this step's.
+            host_grads, pending, apply = state.pending_grads, host_grads, state.step > offload.delayed_update_start
 
         def update(params, opt_state, grads, apply, params_layout=plan.params):
             params, opt_state, grad_norm, finite = self._update(params, opt_state, grads, apply)
@@ -548,7 +549,7 @@ class Engine:
                            out_specs=specs(LeafPlacement.pipe_spec), axis_names=self.manual_axes, check_vma=False)
         return jax.lax.with_sharding_constraint(fn(shards), self.plan.compute)
 
-    def _train_step(self, state: TrainState, batch):
+    def _train_step(self, state: TrainState, batch, delayed: bool = True):
         config, plan = self.config, self.plan
         fp16 = config.precision == "fp16"
         dynamic_scaling = fp16 and config.loss_scale.loss_scale == 0
@@ -559,7 +560,7 @@ class Engine:
         grads = jax.lax.with_sharding_constraint(grads, plan.grads)
         compute = pending = None
         if plan.offload:
-            params, opt_state, compute, pending, grad_norm, finite = self._offloaded_update(state, grads)
+            params, opt_state, compute, pending, grad_norm, finite = self._offloaded_update(state, grads, delayed)
         else:
             # Stages 1-2: the update runs on this device's shard of replicated parameters (a free slice).
             params_view = jax.lax.with_sharding_constraint(state.params, plan.grads)
@@ -576,14 +577,17 @@ class Engine:
             metrics["aux"] = aux
         return new_state, metrics
 
-    def _step_fn(self, batch):
-        if self._jit_step is None:
-            self._jit_step = jax.jit(
-                self._train_step,
+    def _step_fn(self, batch, delayed: bool = True):
+        """The jitted step; `delayed` picks the delayed update's steady state or the steps before it
+        (the same program unless offload's delayed_update is on)."""
+        delayed = delayed or not self.config.offload_optimizer.delayed_update
+        if delayed not in self._jit_steps:
+            self._jit_steps[delayed] = jax.jit(
+                functools.partial(self._train_step, delayed=delayed),
                 in_shardings=(self.state_shardings, self.plan.batch(batch)),
                 out_shardings=(self.state_shardings, self.plan.replicated),
                 donate_argnums=(0,))
-        return self._jit_step
+        return self._jit_steps[delayed]
 
     def batch_share(self) -> tuple[int, int]:
         """(index, count): this process feeds block `index` of the global batch's rows cut into `count`
@@ -623,7 +627,16 @@ class Engine:
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step over `batch` (train_batch_size examples). `state` is donated."""
         batch = self.put_batch(batch)
-        return self._step_fn(batch)(state, batch)
+        offload = self.config.offload_optimizer
+        delayed = True
+        if offload.delayed_update:  # the step number on the host, read once per state not made here
+            if state.step is not self._last_step:
+                self._step_count = int(state.step)
+            delayed = self._step_count >= offload.delayed_update_start
+        new_state, metrics = self._step_fn(batch, delayed)(state, batch)
+        if offload.delayed_update:
+            self._last_step, self._step_count = new_state.step, self._step_count + 1
+        return new_state, metrics
 
     def evaluate(self, state: TrainState, batch) -> jax.Array:
         """The mean loss on `batch` with the current parameters (forward only, compute dtype).
@@ -650,7 +663,9 @@ class Engine:
     def compile(self, state, batch):
         """The compiled step for these (abstract or concrete) arguments; no step is run."""
         batch = self.put_batch(batch)
-        state_abs = _abstract(state)
+        # Shardings (memory kinds included) from the plan where the arguments have none.
+        state_abs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
+            x, "sharding", None) or s), state, self.state_shardings)
         batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
         key = jax.tree.structure((state_abs, batch_abs)), tuple(
             (s.shape, str(s.dtype)) for s in jax.tree.leaves((state_abs, batch_abs)))

@@ -152,6 +152,19 @@ def theory_at_rest(stage: int, num_params: int, data_size: int, param_bytes: flo
     return (params + opt) / model_parallel
 
 
+def state_bytes_by_memory(state) -> dict:
+    """{TrainState field: {memory kind: bytes one device holds}} of a live state's arrays, read from
+    the arrays' own shardings."""
+    out = {}
+    for field in ("params", "opt_state", "compute_params", "pending_grads", "model_state"):
+        kinds: dict = {}
+        for x in jax.tree.leaves(getattr(state, field)):
+            kind = x.sharding.memory_kind or "device"
+            kinds[kind] = kinds.get(kind, 0) + shard_bytes(x, x.sharding)
+        out[field] = kinds
+    return out
+
+
 def split_bytes(abstract_tree, sharding_tree) -> tuple[int, int]:
     """(all, in host memory): bytes one device's share of the tree takes, and those in a host memory kind."""
     pairs = list(zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(sharding_tree)))
@@ -181,7 +194,8 @@ def memory_report(engine, state, batch) -> MemoryReport:
     compiled = engine.compile(state, batch)
     stats = compiled.memory_analysis()
     plan = engine.plan
-    shardings = engine.state_shardings
+    # A live state's own shardings (their memory kinds) where it has them, else the plan's.
+    shardings = jax.tree.map(lambda x, s: getattr(x, "sharding", None) or s, state, engine.state_shardings)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
     params, host_params = split_bytes(abstract.params, shardings.params)
     opt, host_opt = split_bytes(abstract.opt_state, shardings.opt_state)

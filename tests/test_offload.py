@@ -1,0 +1,228 @@
+"""ZeRO-Offload (Config.offload_optimizer / offload_param): the same training as without it, with the
+master weights and optimizer state in host memory, at the placement and traffic of the theory.
+
+Numerics: fp32, 5 adamw steps on 8 simulated devices, with 2 micro-batches per step. An offloaded run
+applies the same operations to the same values as the run without offload (the compute copy of fp32
+parameters is the master itself), so it must match to 1e-6 relative, and bitwise where the update runs
+on the device. Each model meets every stage and both update places somewhere in the grid below; each
+cell's baseline is the same engine without offload, which tests/test_equivalence.py ties to optax.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeroflax
+from zeroflax import Config, ConfigError, MeshConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zeroflax.checkpoint import Checkpointer
+from zeroflax.comm import host_transfers
+from zeroflax.memory import state_bytes_by_memory
+from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
+from test_equivalence import adamw, engine_run, make_case, reference_run, relative_error
+
+HOST, DEVICE = OffloadOptimizerConfig("cpu"), OffloadOptimizerConfig("cpu", update="device")
+PARAM = OffloadParamConfig("cpu")
+
+# (model, stage, offload_optimizer, offload_param): every model at every stage, both update places.
+GRID = [
+    ("mlp", 1, HOST, False), ("mlp", 2, DEVICE, False), ("mlp", 3, HOST, False), ("mlp", 3, DEVICE, True),
+    ("conv", 1, DEVICE, False), ("conv", 2, HOST, False), ("conv", 3, HOST, False), ("conv", 3, HOST, True),
+    ("gpt", 1, HOST, False), ("gpt", 2, HOST, False), ("gpt", 3, DEVICE, False), ("gpt", 3, HOST, True),
+]
+
+
+def base_config(stage, **changes):
+    return Config(zero_stage=stage, micro_batch_size=2, grad_accum_steps=2, persistence_threshold=0, **changes)
+
+
+@functools.lru_cache(maxsize=None)
+def baseline(model, stage):
+    boxed, loss, batches = make_case(model, 0)
+    params, _ = engine_run(loss, boxed, adamw(weight_decay=0.1), batches, base_config(stage))
+    return params
+
+
+@pytest.mark.parametrize("model,stage,offload,stream", GRID,
+                         ids=[f"{m}-stage{s}-{o.update}{'-param' if p else ''}" for m, s, o, p in GRID])
+def test_offload_trains_as_without(model, stage, offload, stream):
+    boxed, loss, batches = make_case(model, 0)
+    config = base_config(stage, offload_optimizer=offload, offload_param=PARAM if stream else OffloadParamConfig())
+    params, engine = engine_run(loss, boxed, adamw(weight_decay=0.1), batches, config)
+    kinds = {s.memory_kind for s in jax.tree.leaves((engine.plan.params, engine.plan.opt_state))}
+    assert kinds == {"pinned_host"}
+    expected = baseline(model, stage)
+    if offload.update == "device":
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(a, b)
+    else:
+        assert relative_error(params, expected) <= 1e-6
+
+
+COMPOSED = {  # design.md section 8's grid: offload beside the other parts of the step (32 rows per batch)
+    "tensor2-stage3-param": dict(mesh=MeshConfig({"data": 4, "tensor": 2}), zero_stage=3, micro_batch_size=4),
+    "pipe2-gpipe-stage1": dict(mesh=MeshConfig({"pipe": 2, "data": 4, "tensor": 1}), zero_stage=1,
+                               pipeline_schedule="gpipe", micro_batch_size=4),
+    "fp16-stage2": dict(zero_stage=2, precision="fp16", micro_batch_size=2),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_offload_composes_with_tensor_slicing_pipelines_and_fp16(name):
+    boxed, loss, batches = make_case("gpt", 0)
+    changes = COMPOSED[name]
+    config = Config(persistence_threshold=0, grad_accum_steps=2, **changes)
+    expected, _ = engine_run(loss, boxed, adamw(), batches[:3], config)
+    offloaded = config.replace(offload_optimizer=HOST, offload_param=PARAM if "param" in name else OffloadParamConfig())
+    params, _ = engine_run(loss, boxed, adamw(), batches[:3], offloaded)
+    assert relative_error(params, expected) <= 1e-6
+
+
+def gpt_engine(stage, precision="bf16", **changes):
+    model = GPT(GPTConfig(num_layers=4, d_model=64, num_heads=2, max_len=32))
+    batch = {"tokens": np.random.default_rng(0).integers(0, 256, size=(16, 33)).astype(np.int32)}
+    init = lambda k, b: model.init(k, b["tokens"][:, :-1])["params"]
+    config = Config(zero_stage=stage, micro_batch_size=1, grad_accum_steps=2, precision=precision,
+                    persistence_threshold=0, **changes)
+    engine, state = zeroflax.initialize(next_token_loss(model), init, optax.adamw(1e-3), config, sample_batch=batch)
+    return engine, state, batch, model, init
+
+
+@pytest.mark.parametrize("stage,stream", [(2, False), (3, False), (3, True)], ids=["stage2", "stage3", "stage3-param"])
+def test_placement_and_traffic_meet_the_theory(stage, stream):
+    engine, state, batch, _, _ = gpt_engine(stage, offload_optimizer=HOST,
+                                            offload_param=PARAM if stream else OffloadParamConfig())
+    num_params = sum(x.size for x in jax.tree.leaves(engine.abstract_params))
+    N = engine.data_size
+    live = state_bytes_by_memory(state)  # the live arrays' memory kinds
+    model_states = ("params", "opt_state", "compute_params")
+    device = sum(live[k].get("device", 0) for k in model_states)
+    host = sum(live[k].get("pinned_host", 0) for k in model_states)
+    if stage < 3:
+        assert device <= 1.05 * 2 * num_params  # only the bf16 compute copy
+    elif stream:  # only the leaves below the persistence threshold: none here
+        placements = jax.tree.leaves(engine.plan.placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
+        persistent = 2 * sum(int(np.prod(p.shape)) for p in placements if p.zero_dim is None)
+        assert device <= 1.05 * persistent
+    else:
+        assert device <= 1.05 * 2 * num_params / N
+    assert abs(host / (12 * num_params / N) - 1) <= 0.05
+    report = engine.memory_report(state, batch)
+    assert report.host_at_rest == host and report.device_at_rest == device
+    assert "host at rest" in str(report)
+    comm = engine.comm_report(state, batch)
+    for measured, theory in ((comm.host_to_device, comm.host_to_device_theory),
+                             (comm.device_to_host, comm.device_to_host_theory)):
+        assert theory > 0 and 1 / 1.1 <= measured / theory <= 1.1
+    if stream:  # the stream: every layer's shard twice per micro-batch, far above the compute copy's
+        assert comm.host_to_device > 4 * comm.device_to_host / 2
+    assert 0.95 <= comm.ratio <= 1.05  # the data axis still at ZeRO's volume (compute copy gathered in bf16)
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_delayed_update_applies_the_previous_gradient(start):
+    """DPU: from step `start` on, step t's gradient is computed with parameters that do not include step
+    t-1's update (one step stale) and is applied by step t+1; step `start` applies nothing, the steps
+    before it update at once."""
+    boxed, loss, batches = make_case("mlp", 0)
+    optimizer = adamw(weight_decay=0.1)
+    offload = OffloadOptimizerConfig("cpu", delayed_update=True, delayed_update_start=start)
+    params, _ = engine_run(loss, boxed, optimizer, batches, base_config(1, offload_optimizer=offload))
+    reference = zeroflax.unbox(boxed)[0]
+    state, pending = optimizer.init(reference), None
+
+    def apply(grads, reference, state):
+        updates, state = optimizer.update(grads, state, reference)
+        return optax.apply_updates(reference, updates), state
+
+    for step, batch in enumerate(batches):
+        grads = jax.grad(loss)(reference, batch, None)
+        if step < start:
+            reference, state = apply(grads, reference, state)
+            continue
+        if step > start:
+            reference, state = apply(pending, reference, state)
+        pending = grads
+    assert relative_error(params, reference) <= 1e-5
+    exact = reference_run(loss, zeroflax.unbox(boxed)[0], optimizer, batches)  # the undelayed run differs
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exact))) > 1e-4
+
+
+def test_checkpoint_restores_across_offload(tmp_path):
+    """Saved with offload (both kinds), restored without it, saved again and restored with it: the state is
+    the same bit for bit each time, and so is the next step."""
+    with_offload = dict(offload_optimizer=HOST, offload_param=PARAM)
+    offloaded, state, batch, _, _ = gpt_engine(3, "fp32", **with_offload)
+    plain, plain_state, _, _, _ = gpt_engine(3, "fp32")
+    state, _ = offloaded.step(state, batch)
+
+    def round_trip(name, engine, state, other, template):
+        checkpoints = Checkpointer(str(tmp_path / name), every=1, asynchronous=False)
+        checkpoints.save(1, state, {"epoch": 0}, {})
+        checkpoints.close()
+        restored, _, _ = Checkpointer(str(tmp_path / name)).restore(None, template, other.state_shardings)
+        restored = other.storage_order(restored)
+        for a, b in zip(jax.tree.leaves(jax.device_get((restored.params, restored.opt_state))),
+                        jax.tree.leaves(jax.device_get((state.params, state.opt_state)))):
+            np.testing.assert_array_equal(a, b)
+        return restored
+
+    restored = round_trip("to-plain", offloaded, state, plain, plain_state)
+    state, metrics = offloaded.step(state, batch)
+    restored, restored_metrics = plain.step(restored, batch)
+    assert float(metrics["loss"]) == float(restored_metrics["loss"])
+    back = round_trip("to-offload", plain, restored, offloaded, state)
+    for a, b in zip(jax.tree.leaves(jax.device_get(back.compute_params)), jax.tree.leaves(jax.device_get(restored.params))):
+        np.testing.assert_array_equal(a, b)  # the compute copy is remade from the restored master
+
+
+def test_activation_offload_policy_moves_saved_matmuls_to_the_host():
+    """On the scanned layers of the GPT (zeroflax.scan_layers)."""
+    boxed, loss, batches = make_case("gpt", 0)
+    batches = batches[:2]
+    runs = {}
+    for remat in ("dots_no_batch", "offload_dots_no_batch"):
+        engine, state = zeroflax.initialize(loss, boxed, adamw(), base_config(2, remat=remat))
+        batch = engine.put_batch(batches[0])
+        jaxpr = jax.make_jaxpr(engine._step_fn(batch))(state, batch).jaxpr
+        runs[remat] = host_transfers(jaxpr), engine_run(loss, boxed, adamw(), batches, base_config(2, remat=remat))[0]
+    (to_device, to_host), params = runs["offload_dots_no_batch"]
+    assert to_device > 0 and to_device == to_host  # what goes to the host comes back for the backward pass
+    assert runs["dots_no_batch"][0] == (0.0, 0.0)
+    assert relative_error(params, runs["dots_no_batch"][1]) <= 1e-6
+
+
+def test_an_optimizer_that_cannot_run_on_the_host_is_a_config_error():
+    boxed, loss, batches = make_case("mlp", 0)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    engine, state = zeroflax.initialize(loss, boxed, clipped, base_config(2, offload_optimizer=HOST))
+    with pytest.raises(ConfigError, match="OffloadOptimizerConfig.update"):
+        engine.step(state, batches[0])
+    params, _ = engine_run(loss, boxed, clipped, batches[:2], base_config(2, offload_optimizer=DEVICE))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("changes,key", [
+    (dict(zero_stage=0, offload_optimizer=HOST), "OffloadOptimizerConfig.device"),
+    (dict(zero_stage=2, offload_optimizer=HOST, offload_param=PARAM), "OffloadParamConfig.device"),
+    (dict(zero_stage=3, offload_param=PARAM), "OffloadParamConfig.device"),
+    (dict(zero_stage=3, offload_optimizer=HOST, offload_param=OffloadParamConfig("cpu", pin_memory=False)),
+     "OffloadParamConfig.pin_memory"),
+])
+def test_invalid_offload_combinations_name_the_key(changes, key):
+    with pytest.raises(ConfigError, match=key):
+        Config(**changes)
+
+
+@pytest.mark.parametrize("kwargs,key", [
+    (dict(device="nvme"), "OffloadOptimizerConfig.device"),
+    (dict(device="cpu", update="gpu"), "OffloadOptimizerConfig.update"),
+    (dict(device="cpu", update="device", delayed_update=True), "OffloadOptimizerConfig.delayed_update"),
+    (dict(delayed_update=True), "OffloadOptimizerConfig.device"),
+    (dict(device="cpu", delayed_update=True, delayed_update_start=-1), "OffloadOptimizerConfig.delayed_update_start"),
+])
+def test_invalid_offload_settings_name_the_key(kwargs, key):
+    with pytest.raises(ConfigError, match=key):
+        OffloadOptimizerConfig(**kwargs)
