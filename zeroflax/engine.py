@@ -34,16 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroflax.adapters import unbox
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_loss_scale
+from zeroflax.optim.offload import OffloadedUpdate, on_device
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
-from zeroflax.sharding.manual import on_slices, psum_on_slices
-from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, all_gather_exact, loss_remat_policy
+from zeroflax.sharding.manual import psum_on_slices
+from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, loss_remat_policy
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order, take_layers
 from zeroflax.pipeline.schedule import build_schedule
@@ -94,13 +94,6 @@ def _all_leaves(tree) -> set:
     return set(range(len(jax.tree.leaves(tree))))
 
 
-def _is_none(x) -> bool:
-    return x is None
-
-
-def _on_device(shardings):
-    """The same shardings in device memory."""
-    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
 class Engine:
@@ -153,6 +146,8 @@ class Engine:
             loss_scale=jax.tree.map(lambda _: plan.replicated, init_loss_scale(config.loss_scale, False)),
             rng=plan.replicated, model_state=jax.tree.map(lambda _: plan.replicated, abstract_model_state),
             compute_params=plan.compute, pending_grads=plan.host_grads if delayed else None)
+        # ZeRO-Offload's update (optim/offload.py), or None without offload.
+        self.offload = OffloadedUpdate(plan, config, frozenset(self.manual_axes), self._update) if plan.offload else None
         self._jit_compute_copy = None
         self._jit_steps: dict = {}  # delayed (bool) -> the jitted step
         self._step_count: int | None = None  # the step number of the state `step` last returned
@@ -412,12 +407,10 @@ class Engine:
     def with_compute_copy(self, state: TrainState) -> TrainState:
         """Under offload, `state` with the device's compute copy made from its master weights (after a
         restore, or a change to `state.params`); `state` itself otherwise."""
-        if not self.plan.offload:
+        if self.offload is None:
             return state
         if self._jit_compute_copy is None:
-            to_device = lambda params: jax.device_put(params, _on_device(self.plan.params))
-            self._jit_compute_copy = jax.jit(lambda params: self._compute_copy(to_device(params)),
-                                             out_shardings=self.plan.compute)
+            self._jit_compute_copy = jax.jit(self.offload.compute_copy_of, out_shardings=self.plan.compute)
         return state.replace(compute_params=self._jit_compute_copy(state.params))
 
     def model_params(self, state: TrainState):
@@ -468,99 +461,18 @@ class Engine:
             new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
         return new_params, new_opt_state, grad_norm, finite
 
-    def _compute_copy(self, params):
-        """The compute-dtype copy of the master weights that the device keeps under offload (None for
-        the leaves streamed from the host)."""
-        dtype = self.config.compute_dtype
-        cast = lambda c, p: None if c is None else (p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p)
-        return jax.tree.map(cast, self.plan.compute, params, is_leaf=_is_none)
-
-    def _loss_params(self, state: TrainState):
-        """What the loss differentiates: the master weights, or under offload the device's compute copy
-        upcast to the master dtype (so gradients are reduced in fp32, as without offload) and, for
-        leaves streamed from the host, the host master shards."""
-        if not self.plan.offload:
-            return state.params
-        return jax.tree.map(lambda c, p: p if c is None else c.astype(p.dtype), state.compute_params, state.params,
-                            is_leaf=_is_none)
-
-    def _offloaded_update(self, state: TrainState, grads, delayed: bool):
-        """The update with the master weights and optimizer state on the host (see the module doc);
-        `delayed`: the delayed update's steady state (from `delayed_update_start` on).
-        Returns (params, opt_state, compute_params, pending_grads, grad_norm, finite)."""
-        plan, offload = self.plan, self.config.offload_optimizer
-        # device -> host: the reduced gradient shards (the device update keeps them where they are)
-        host_grads = jax.device_put(grads, plan.host_grads) if offload.update == "host" else grads
-        apply, pending = None, state.pending_grads
-        if offload.delayed_update and delayed:
-            # Apply the previous step's gradients (none yet at the first delayed step); keep this step's.
-            host_grads, pending, apply = state.pending_grads, host_grads, state.step > offload.delayed_update_start
-
-        def update(params, opt_state, grads, apply, params_layout=plan.params):
-            params, opt_state, grad_norm, finite = self._update(params, opt_state, grads, apply)
-            # Pinned to the master's layout: the compute copy's all-gather (stages 1-2) happens later, on
-            # the device; unpinned, XLA gathers the delayed update's select on the host instead.
-            params = jax.lax.with_sharding_constraint(params, params_layout)
-            return params, opt_state, self._compute_copy(params), grad_norm, finite
-
-        host_scalar = NamedSharding(self.mesh, P(), memory_kind=self.config.host_memory_kind)
-        if offload.update == "host":
-            apply = None if apply is None else jax.device_put(apply, host_scalar)
-            try:
-                params, opt_state, compute, grad_norm, finite = compute_on("device_host")(jax.jit(update))(
-                    state.params, state.opt_state, host_grads, apply)
-            except ValueError as error:
-                if "memory_space" not in str(error):
-                    raise
-                raise ConfigError("OffloadOptimizerConfig.update", "this optimizer cannot run on host memory: it "
-                                  f"makes device constants in its update ({str(error).splitlines()[0]}); with jax "
-                                  f"{jax.__version__} adam, adamw, sgd and lion can", "use update='device', or "
-                                  "Config.grad_clip instead of optax.clip_by_global_norm") from error
-            grad_norm, finite = jax.device_put((grad_norm, jnp.asarray(finite)), plan.replicated)
-        else:  # on the device: the state comes over and goes back
-            on_device = lambda tree, shardings: jax.device_put(tree, _on_device(shardings))
-            params, opt_state, compute, grad_norm, finite = update(
-                on_device(state.params, plan.params), on_device(state.opt_state, plan.opt_state), grads, apply,
-                _on_device(plan.params))
-            finite = jnp.asarray(finite)
-            params, opt_state = jax.device_put((params, opt_state), (plan.params, plan.opt_state))
-        # The compute copy comes to the device as the master is laid out (a shard per device), and
-        # takes its own layout there (stages 1-2: whole, by an all-gather on the device).
-        shard_layout = jax.tree.map(lambda c, s: None if c is None else s, plan.compute, _on_device(plan.params),
-                                    is_leaf=_is_none)
-        compute = self._gather_compute_copy(jax.device_put(compute, shard_layout))
-        return params, opt_state, compute, pending, grad_norm, finite
-
-    def _gather_compute_copy(self, shards):
-        """Stages 1-2 under offload: the compute copy's shards all-gathered over `data` on the device, in
-        the compute dtype (`all_gather_exact`: bf16 travels as bf16 on every backend); stage 3 keeps them."""
-        if self.config.zero_stage == 3:
-            return shards
-        placements = self.plan.placements
-
-        def gather(placement: LeafPlacement, shard):
-            if placement.zero_dim is None:
-                return shard
-            return on_slices(lambda s: all_gather_exact(s, placement.zero_dim, DATA_AXIS), shard, placement.auto_spec())
-
-        local = lambda tree: jax.tree.map(gather, placements, tree, is_leaf=_is_placement)
-        specs = lambda spec: jax.tree.map(spec, placements, is_leaf=_is_placement)
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(specs(LeafPlacement.data_spec),),
-                           out_specs=specs(LeafPlacement.pipe_spec), axis_names=self.manual_axes, check_vma=False)
-        return jax.lax.with_sharding_constraint(fn(shards), self.plan.compute)
-
     def _train_step(self, state: TrainState, batch, delayed: bool = True):
         config, plan = self.config, self.plan
         fp16 = config.precision == "fp16"
         dynamic_scaling = fp16 and config.loss_scale.loss_scale == 0
         rng = jax.random.fold_in(state.rng, state.step)
         scale = state.loss_scale.scale
-        grads, loss, aux, model_state = self._sharded_grads(self._loss_params(state), batch, rng, scale,
-                                                            state.model_state)
+        loss_params = self.offload.loss_params(state) if self.offload is not None else state.params
+        grads, loss, aux, model_state = self._sharded_grads(loss_params, batch, rng, scale, state.model_state)
         grads = jax.lax.with_sharding_constraint(grads, plan.grads)
         compute = pending = None
-        if plan.offload:
-            params, opt_state, compute, pending, grad_norm, finite = self._offloaded_update(state, grads, delayed)
+        if self.offload is not None:
+            params, opt_state, compute, pending, grad_norm, finite = self.offload(state, grads, delayed)
         else:
             # Stages 1-2: the update runs on this device's shard of replicated parameters (a free slice).
             params_view = jax.lax.with_sharding_constraint(state.params, plan.grads)
@@ -650,8 +562,8 @@ class Engine:
 
             def eval_loss(params, batch, model_state):
                 dtype = self.config.compute_dtype
-                if self.plan.offload:  # the master weights, from the host
-                    params = jax.device_put(params, _on_device(self.plan.params))
+                if self.offload is not None:  # the master weights, from the host
+                    params = jax.device_put(params, on_device(self.plan.params))
                 if model_order is not None:
                     params = model_order(params)
                 loss, _, _ = self._call_loss(_floats_to(params, dtype), _floats_to(batch, dtype), None, model_state)
