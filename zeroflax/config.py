@@ -134,6 +134,15 @@ class LossScaleConfig:
                  k + "min_loss_scale", f"must be > 0, got {self.min_loss_scale!r}")
 
 
+def _check_offload_device(prefix: str, device, pin_memory) -> None:
+    """The checks both offload blocks share: their `device` and `pin_memory` keys."""
+    _require(device != "nvme", prefix + "device", "'nvme' (ZeRO-Infinity) is not supported: JAX has no NVMe "
+             "memory kind", "use 'cpu'")
+    _require(device in OFFLOAD_DEVICES, prefix + "device", f"unknown device {device!r}",
+             f"use one of {', '.join(OFFLOAD_DEVICES)}")
+    _require(isinstance(pin_memory, bool), prefix + "pin_memory", f"must be True or False, got {pin_memory!r}")
+
+
 @configurable
 @dataclasses.dataclass(frozen=True)
 class OffloadOptimizerConfig:
@@ -163,11 +172,7 @@ class OffloadOptimizerConfig:
 
     def __post_init__(self):
         k = "OffloadOptimizerConfig."
-        _require(self.device != "nvme", k + "device", "'nvme' (ZeRO-Infinity) is not supported: JAX has no NVMe "
-                 "memory kind", "use 'cpu'")
-        _require(self.device in OFFLOAD_DEVICES, k + "device", f"unknown device {self.device!r}",
-                 f"use one of {', '.join(OFFLOAD_DEVICES)}")
-        _require(isinstance(self.pin_memory, bool), k + "pin_memory", f"must be True or False, got {self.pin_memory!r}")
+        _check_offload_device(k, self.device, self.pin_memory)
         _require(self.update in OFFLOAD_UPDATES, k + "update", f"unknown update place {self.update!r}",
                  f"use one of {', '.join(OFFLOAD_UPDATES)}")
         _require(isinstance(self.delayed_update, bool), k + "delayed_update",
@@ -201,12 +206,7 @@ class OffloadParamConfig:
     pin_memory: bool = True
 
     def __post_init__(self):
-        k = "OffloadParamConfig."
-        _require(self.device != "nvme", k + "device", "'nvme' (ZeRO-Infinity) is not supported: JAX has no NVMe "
-                 "memory kind", "use 'cpu'")
-        _require(self.device in OFFLOAD_DEVICES, k + "device", f"unknown device {self.device!r}",
-                 f"use one of {', '.join(OFFLOAD_DEVICES)}")
-        _require(isinstance(self.pin_memory, bool), k + "pin_memory", f"must be True or False, got {self.pin_memory!r}")
+        _check_offload_device("OffloadParamConfig.", self.device, self.pin_memory)
 
     @property
     def enabled(self) -> bool:
