@@ -18,7 +18,7 @@ setup: $(BIN)/zeroflax
 run: setup
 	$(BIN)/zeroflax train --gin_file experiments/gpt_tiny_zero3.gin --resume
 
-# The test suite (about 16 minutes on 2 cores). pytest's exit code 5 (no tests collected) is a failure.
+# The test suite (about 20 minutes on 2 cores). pytest's exit code 5 (no tests collected) is a failure.
 test: setup
 	$(BIN)/python -m pytest -n 2 -q tests
 
