@@ -28,14 +28,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import zeroflax  # noqa: E402
 from zeroflax import OffloadOptimizerConfig, OffloadParamConfig  # noqa: E402
 from zeroflax.memory import state_bytes_by_memory  # noqa: E402
-from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss  # noqa: E402
+from zeroflax.models.gpt import GPTConfig  # noqa: E402
+
+import zero_report  # noqa: E402  (benchmarks/, the script's own folder)
 
 MiB = 2**20
 HOST = OffloadOptimizerConfig("cpu")
@@ -49,17 +48,12 @@ CASES = [  # name, stage, offload_optimizer, offload_param
 ]
 
 
-def build(gpt: GPTConfig, seq: int, stage: int, offload=None, stream=False, threshold: int = 4096):
-    model = GPT(gpt)
+def build(gpt: GPTConfig, seq: int, stage: int, offload=None, stream=False):
+    """zero_report's GPT engine (bf16, 2 micro-batches), with offload when given."""
     changes = {}
     if offload is not None:
         changes = dict(offload_optimizer=offload, offload_param=OffloadParamConfig("cpu" if stream else "none"))
-    config = zeroflax.Config(zero_stage=stage, precision="bf16", micro_batch_size=1, grad_accum_steps=2,
-                             persistence_threshold=threshold, remat="full", **changes)
-    batch = {"tokens": np.zeros((config.resolve_train_batch(jax.device_count()), seq + 1), np.int32)}
-    init = lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"]
-    engine, state = zeroflax.initialize(next_token_loss(model), init, optax.adamw(1e-4), config, sample_batch=batch)
-    return engine, state, batch
+    return zero_report.build(gpt, seq, stage, "bf16", accum=2, **changes)
 
 
 def main(argv=None):

@@ -30,10 +30,12 @@ from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss  # noqa: E402
 MiB = 2**20
 
 
-def build(gpt: GPTConfig, seq: int, stage: int, precision: str, accum: int = 1, threshold: int = 4096):
+def build(gpt: GPTConfig, seq: int, stage: int, precision: str, accum: int = 1, threshold: int = 4096,
+          **changes):
+    """(engine, state, batch) of the GPT at this stage; `changes` are further Config keys (e.g. offload)."""
     model = GPT(gpt)
     config = zeroflax.Config(zero_stage=stage, precision=precision, micro_batch_size=1, grad_accum_steps=accum,
-                             persistence_threshold=threshold, remat="full")
+                             persistence_threshold=threshold, remat="full", **changes)
     batch = {"tokens": np.zeros((config.resolve_train_batch(jax.device_count()), seq + 1), np.int32)}
     init = lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"]
     # Abstract state: the init function is only traced, so nothing of Psi size is allocated here.
