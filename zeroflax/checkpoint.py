@@ -8,6 +8,8 @@ checkpoint as the newest complete one):
     train    optimizer state, loss-scale state, step and rng
     data     the data loader's position (JSON)
     meta     what is needed to rebuild the model without the training config (JSON)
+    sync     1-bit Adam only: its error buffers and last exchanged momentum, with their layout (JSON,
+             `sync_layout`); restored where the layout matches (same device count), else reset (`notes`)
 
 Arrays are stored as global arrays, not per-device shards, so a restore only needs the abstract
 target with the *new* shardings (another ZeRO stage, another device count, or one CPU device):
@@ -37,6 +39,11 @@ def _train_item(state) -> dict:
     return item
 
 
+def sync_layout(sync_state) -> list:
+    """The shapes the sync state's meaning depends on (they encode the device count and each leaf's chunking)."""
+    return [None if x is None else list(x.shape) for x in jax.tree.leaves(sync_state, is_leaf=lambda x: x is None)]
+
+
 def _abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
@@ -48,6 +55,7 @@ class Checkpointer:
             save_interval_steps=every, max_to_keep=keep, enable_async_checkpointing=asynchronous,
             create=True, cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.notes: list[str] = []  # what the last restore could not restore as it was, for the log
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -62,10 +70,12 @@ class Checkpointer:
             return False
         if view is not None:
             state = view(state)
-        args = ocp.args.Composite(params=ocp.args.StandardSave(state.params),
-                                  train=ocp.args.StandardSave(_train_item(state)),
-                                  data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
-        return self.manager.save(step, args=args, force=force)
+        items = dict(params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(_train_item(state)),
+                     data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+        if state.sync_state is not None:
+            items.update(sync=ocp.args.StandardSave(state.sync_state),
+                         sync_layout=ocp.args.JsonSave(sync_layout(state.sync_state)))
+        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
     def restore(self, step: int | None, state, shardings):
         """(state, data_state, meta) at `step` (default: the newest complete one), placed with `shardings`
@@ -73,6 +83,10 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        self.notes = []
+        sync = None
+        if state.sync_state is not None:
+            sync = self._restore_sync(step, state.sync_state, shardings.sync_state)
         args = ocp.args.Composite(
             params=ocp.args.StandardRestore(_abstract_with_shardings(state.params, shardings.params)),
             train=ocp.args.StandardRestore(_abstract_with_shardings(_train_item(state), _train_item(shardings))),
@@ -86,8 +100,24 @@ class Checkpointer:
         # The offload compute copy is not stored: Engine.storage_order (or with_compute_copy) remakes it.
         new_state = state.replace(params=restored["params"], opt_state=t["opt_state"], loss_scale=t["loss_scale"],
                                   step=t["step"], rng=t["rng"], model_state=t.get("model_state"),
-                                  pending_grads=t.get("pending_grads"))
+                                  pending_grads=t.get("pending_grads"),
+                                  sync_state=state.sync_state if sync is None else sync)
         return new_state, restored["data"], restored["meta"]
+
+    def _restore_sync(self, step: int, sync_state, shardings):
+        """The stored sync state if its layout is this engine's, else None (and a note: it starts afresh, as
+        DeepSpeed's does on every load)."""
+        try:
+            stored = self.manager.restore(step, args=ocp.args.Composite(sync_layout=ocp.args.JsonRestore()))
+            layout = stored["sync_layout"]
+        except Exception:  # written without 1-bit Adam
+            layout = None
+        if layout != sync_layout(sync_state):
+            self.notes.append(f"1-bit Adam's error buffers reset: the checkpoint of step {step} was written "
+                              + ("without 1-bit Adam" if layout is None else "with another device count or layout"))
+            return None
+        target = _abstract_with_shardings(sync_state, shardings)
+        return self.manager.restore(step, args=ocp.args.Composite(sync=ocp.args.StandardRestore(target)))["sync"]
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

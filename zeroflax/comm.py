@@ -261,6 +261,7 @@ class CommReport:
     device_to_host: float = 0.0
     host_to_device_theory: float = 0.0
     device_to_host_theory: float = 0.0
+    phase: str = "steady"  # which of the engine's step programs (1-bit Adam: 'warmup', 'first', 'compressed')
 
     @property
     def ratio(self) -> float:
@@ -272,8 +273,9 @@ class CommReport:
         return json.loads(json.dumps(out))
 
     def __str__(self) -> str:
+        phase = "" if self.phase == "steady" else f", {self.phase} step"
         lines = [f"communication per step, per device (ZeRO stage {self.stage}, N={self.data_size}, "
-                 f"Psi={self.num_params:,})",
+                 f"Psi={self.num_params:,}{phase})",
                  f"  {'collective':<20}{'count':>8}{'MiB':>12}"]
         for kind, row in sorted(self.by_kind.items()):
             split = ", ".join(f"{dtype} {b / 2**20:.2f}" for dtype, b in sorted(self.by_dtype.get(kind, {}).items()))
@@ -314,6 +316,23 @@ def theory_bytes(stage: int, num_params: int, data_size: int, compute_bytes: flo
     if stage == 1:
         return (grad_bytes + gather) * num_params * share
     return 2 * grad_bytes * num_params * share
+
+
+def onebit_theory(sync, stage: int, grad_bytes: int, phase: str) -> float:
+    """1-bit Adam's volume per device over `data` in a compressed step: per leaf of C columns per row, an
+    all-to-all of the worker's packed signs and an all-gather of the servers' ((N-1) C / 8 bytes each) and
+    of both scales (4 (N-1) each); at stages 1-2 the all-gather of the updated parameters (the variance is
+    partitioned, so the update is too); in the first compressed step, the all-gather of the warm-up's
+    partitioned momentum (fp32)."""
+    from zeroflax.optim.onebit import FIRST  # noqa: PLC0415 (comm does not otherwise depend on optim)
+    layouts = jax.tree.leaves(sync.layouts, is_leaf=lambda x: hasattr(x, "cols"))
+    n = sync.data_size
+    share = (n - 1) / n
+    exchange = sum((n - 1) * (l.cols / 4 + 8) for l in layouts)
+    partitioned = sum(l.size for l in layouts if l.zero_dim is not None)
+    gather = grad_bytes * partitioned * share if stage in (1, 2) else 0.0
+    first = 4 * partitioned * share if phase == FIRST else 0.0
+    return exchange + gather + first
 
 
 def megatron_all_reduces(layers: int, stages: int, virtual: int, micro_batches: int, remat: str,
@@ -408,8 +427,10 @@ def _local_elements(abstract, shardings, keep) -> int:
     return sum(math.prod(sh.shard_shape(tuple(x.shape))) for x, sh, p in zip(*abstract) if keep(p))
 
 
-def comm_report(engine, state, batch) -> CommReport:
-    compiled = engine.compile(state, batch)
+def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
+    """The bytes of the step program of `phase` (default: the steady state; see `Engine.phases`)."""
+    phase = phase or engine.phases[-1]
+    compiled = engine.compile(state, batch, phase)
     schedule_tables = engine.pipeline_tables()
     weights = schedule_tables.tick_weights() if schedule_tables is not None else None
     collectives, unknown = parse_collectives(compiled.as_text(), engine.mesh.size, dict(engine.mesh.shape), weights)
@@ -440,6 +461,8 @@ def comm_report(engine, state, batch) -> CommReport:
     local = _local_elements((leaves, without_data, placements), None, lambda p: True)
     accum = engine.config.grad_accum_steps
     theory_by_axis = {"data": theory_bytes(stage, local, engine.data_size, compute, grad, accum, offload)}
+    if engine.onebit is not None and phase != "warmup":
+        theory_by_axis["data"] = onebit_theory(engine.onebit, stage, grad, phase)
     if engine.schedule is not None and stage >= 2:
         # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch and tick, a stage's
         # backward tick recomputes its forward (gathering again at 3), and only the first and last
@@ -477,7 +500,7 @@ def comm_report(engine, state, batch) -> CommReport:
         state_abs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
             x, "sharding", None) or s), state, engine.state_shardings)
         batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), engine.put_batch(batch))
-        jaxpr = jax.make_jaxpr(engine._step_fn(batch_abs))(state_abs, batch_abs).jaxpr
+        jaxpr = jax.make_jaxpr(engine._step_fn(batch_abs, phase))(state_abs, batch_abs).jaxpr
         to_device, to_host = host_transfers(jaxpr)
         to_device_theory, to_host_theory = host_traffic_theory(engine)
         transfers = dict(host_to_device=to_device, device_to_host=to_host, host_to_device_theory=to_device_theory,
@@ -488,7 +511,9 @@ def comm_report(engine, state, batch) -> CommReport:
         # With a pipe or tensor axis the whole-step theory is the sum of the axes that have one.
         theory_bytes=(sum(theory_by_axis.values()) if len(engine.mesh.shape) > 1 and
                       (engine.mesh.shape.get("pipe", 1) > 1 or engine.mesh.shape.get("tensor", 1) > 1)
+                      or "data" in theory_by_axis and engine.onebit is not None
                       else theory_bytes(stage, num_params, engine.data_size, compute, grad, accum, offload)),
+        phase=phase,
         unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives],
         by_axis=by_axis, theory_by_axis=theory_by_axis, permute_bytes=permute, permute_theory=permute_theory,
         **transfers)

@@ -40,6 +40,7 @@ from zeroflax.adapters import unbox
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_loss_scale
 from zeroflax.optim.offload import OffloadedUpdate, on_device
+from zeroflax.optim import onebit
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
 from zeroflax.sharding.manual import psum_on_slices
@@ -63,6 +64,8 @@ class TrainState:
     compute_params: Any = None
     # Offload's delayed update: the previous step's reduced gradients (host), applied by this step.
     pending_grads: Any = None
+    # The gradient sync's own state: 1-bit Adam's error buffers and last exchanged momentum (else None).
+    sync_state: Any = None
 
 
 def _is_placement(x) -> bool:
@@ -115,6 +118,8 @@ class Engine:
         self._probe_usage: GatherUsage | None = None
         self.gather_usage: GatherUsage | None = None
         self.grad_sync = ZeroGradSync(config.zero_stage, plan.placements)
+        # 1-bit Adam replaces the gradient sync (optim/onebit.py); None otherwise.
+        self.onebit = self._onebit_sync(optimizer, plan, abstract_params)
         if config.sequence_parallel and self.mesh.shape.get(TENSOR_AXIS, 1) == 1:
             raise ConfigError("Config.sequence_parallel", "splits activations over the tensor axis, but the mesh's "
                               f"tensor axis has 1 device ({dict(self.mesh.shape)})",
@@ -145,15 +150,46 @@ class Engine:
             step=plan.replicated, params=plan.params, opt_state=plan.opt_state,
             loss_scale=jax.tree.map(lambda _: plan.replicated, init_loss_scale(config.loss_scale, False)),
             rng=plan.replicated, model_state=jax.tree.map(lambda _: plan.replicated, abstract_model_state),
-            compute_params=plan.compute, pending_grads=plan.host_grads if delayed else None)
+            compute_params=plan.compute, pending_grads=plan.host_grads if delayed else None,
+            sync_state=self.onebit.shardings(self.mesh) if self.onebit is not None else None)
         # ZeRO-Offload's update (optim/offload.py), or None without offload.
         self.offload = OffloadedUpdate(plan, config, frozenset(self.manual_axes), self._update) if plan.offload else None
         self._jit_compute_copy = None
-        self._jit_steps: dict = {}  # delayed (bool) -> the jitted step
+        self._jit_steps: dict = {}  # phase -> the jitted step
+        # Phased steps (the delayed update's start, 1-bit Adam's warm-up) pick their program on the host:
         self._step_count: int | None = None  # the step number of the state `step` last returned
+        self._exchanged_at: int = -1  # ... the step of its last 1-bit exchange
         self._last_step = None  # ... and that state's step array, to recognise it
         self._jit_eval = None
         self._compiled: dict = {}
+
+    def _onebit_sync(self, optimizer, plan: ShardingPlan, abstract_params):
+        """The 1-bit sync when `optimizer` is `zeroflax.optim.onebit_adam`, after checking what it composes
+        with; None for any other optimizer."""
+        if onebit.find_onebit(optimizer, abstract_params):
+            raise ConfigError("optimizer", "1-bit Adam is wrapped (an optax chain or wrapper): the engine must "
+                              "exchange its momentum, so it has to be the optimizer itself",
+                              "pass zeroflax.optim.onebit_adam(...) directly (Config.grad_clip clips)")
+        if not isinstance(optimizer, onebit.OneBitAdam):
+            return None
+        config = self.config
+        refusals = [
+            (config.zero_stage == 3, "Config.zero_stage", "stage 3 reduce-scatters each layer's gradient inside "
+             "the backward pass, so no device ever holds the local gradient whose momentum 1-bit Adam "
+             "compresses", "use zero_stage 0, 1 or 2"),
+            (config.precision == "fp16", "Config.precision", "a step skipped on an fp16 overflow would have to "
+             "roll back every device's error buffers, which is not built", "use 'bf16' or 'fp32'"),
+            (plan.offload, "OffloadOptimizerConfig.device", "1-bit Adam with offload is not built",
+             "set OffloadOptimizerConfig.device='none'"),
+            (pipe_size(self.mesh) > 1, f"MeshConfig.axes['{PIPE_AXIS}']", "1-bit Adam under a pipeline is not built",
+             "set the pipe axis to 1"),
+            (self.mesh.shape.get(TENSOR_AXIS, 1) > 1, f"MeshConfig.axes['{TENSOR_AXIS}']", "1-bit Adam with tensor "
+             "slicing is not built (each slice would be its own compressed buffer)", "set the tensor axis to 1"),
+        ]
+        for refused, key, why, fix in refusals:
+            if refused:
+                raise ConfigError(key, f"refused with zeroflax.optim.onebit_adam: {why}", fix)
+        return onebit.make_sync(optimizer, plan.placements, self.data_size, self.grad_sync, config.grad_clip)
 
     # ----------------------------------------------------------------------------- local gradients
     def _params_for_compute(self, params, point_of_use: set, sources=None):
@@ -295,9 +331,14 @@ class Engine:
         sinks = [jnp.zeros(x.shape, x.dtype) if s else x for x, s in zip(leaves, streamed)]
         return treedef.unflatten(sinks), [x if s else None for x, s in zip(leaves, streamed)]
 
-    def _local_grads(self, params, batch, rng, scale, model_state):
-        """Per device (manual over `data`): loss and synchronised gradients of its micro-batches."""
+    def _local_grads(self, params, batch, rng, scale, model_state, sync=None, phase: str = "steady"):
+        """Per device (manual over `data`): loss and synchronised gradients of its micro-batches. Under
+        1-bit Adam's compressed phases, `sync` is (its state, the last momentum where passed whole) and the
+        gradients returned are the exchanged momentum, with the new sync state and the gradient norm."""
         config = self.config
+        compressed = self.onebit is not None and phase != onebit.WARMUP
+        per_microbatch = (functools.partial(self.onebit.per_microbatch, phase=phase) if self.onebit is not None
+                          else self.grad_sync.per_microbatch)
         params, sources = self._gradient_sinks(params)
         accum = config.grad_accum_steps
         micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
@@ -317,7 +358,8 @@ class Engine:
             shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else psum_on_slices(g, PIPE_AXIS, p.auto_spec())
             grads = jax.tree.map(shared, self.plan.placements, grads, is_leaf=_is_placement)
             grads = jax.tree.map(lambda g: g / scale, grads)
-            return grads, jax.lax.pmean(loss, DATA_AXIS), jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux), None
+            return (grads, jax.lax.pmean(loss, DATA_AXIS), jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux),
+                    None, None)
 
         def micro_grads(micro_batch, micro_rng, state):
             def scaled_loss(p):
@@ -326,7 +368,7 @@ class Engine:
                 return loss * (scale * weight), (loss, aux, new_state)
 
             grads, (loss, aux, new_state) = jax.grad(scaled_loss, has_aux=True)(params)
-            return self.grad_sync.per_microbatch(grads), loss, aux, new_state
+            return per_microbatch(grads), loss, aux, new_state
 
         if accum == 1:
             grads, loss, aux, model_state = micro_grads(jax.tree.map(lambda x: x[0], micro), device_rng, model_state)
@@ -345,14 +387,20 @@ class Engine:
                 body, (*zeros, model_state), (micro, jnp.arange(accum)))
             loss = loss / accum
             aux = jax.tree.map(lambda a: a / accum, aux)
-        grads = self.grad_sync.final(grads)
-        grads = jax.tree.map(lambda g: g / scale, grads)
+        sync_out = None
+        if compressed:  # fp16 is refused with 1-bit Adam: scale is 1
+            mu_prev, sync_state, step = sync
+            grads, sync_state, norm = self.onebit.final(grads, mu_prev, sync_state, step)
+            sync_out = (sync_state, norm)
+        else:
+            grads = self.grad_sync.final(grads)
+            grads = jax.tree.map(lambda g: g / scale, grads)
         loss = jax.lax.pmean(loss, DATA_AXIS)
         aux = jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux)
         # Every device (and so every checkpoint) holds the same model state: the mean over `data`.
         model_state = jax.tree.map(
             lambda x: jax.lax.pmean(x, DATA_AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, model_state)
-        return grads, loss, aux, model_state
+        return grads, loss, aux, model_state, sync_out
 
     def _pipeline_grads(self, params, micro, rng, seed, ctx, point_of_use):
         """Per device (manual over `data` and `pipe`): the schedule's micro-batches through this stage.
@@ -429,22 +477,37 @@ class Engine:
             return None
         return [self.schedule.stage_ops(s) for s in range(self.schedule.stages)]
 
-    def _sharded_grads(self, params, batch, rng, scale, model_state):
+    def _sharded_grads(self, params, batch, rng, scale, model_state, sync=None, phase: str = "steady"):
         plan = self.plan
         if self._probe_usage is None:
             self._probe_usage = self._probe(params, batch, model_state)
         in_specs = (plan.data_specs("params"), jax.tree.map(lambda _: P(DATA_AXIS), batch), P(), P(), P())
         out_specs = (plan.data_specs("grads"), P(), P(), P())
-        fn = jax.shard_map(self._local_grads, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                           axis_names=self.manual_axes, check_vma=False)
-        return fn(params, batch, rng, scale, model_state)
+        if sync is None:
+            fn = lambda *args: self._local_grads(*args, phase=phase)[:4]
+            return (*jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                   axis_names=self.manual_axes, check_vma=False)(params, batch, rng, scale, model_state),
+                    None)
+        # 1-bit Adam's compressed phases: the last momentum (whole, where it is passed), the sync state, the step.
+        mu_specs = jax.tree.map(lambda p, m: None if m is None else p.pipe_spec(), plan.placements, sync[0],
+                                is_leaf=_is_placement)
+        sync_specs = (mu_specs, self.onebit.specs(), P())
+        fn = functools.partial(self._local_grads, phase=phase)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs + (sync_specs,),
+                             out_specs=out_specs + ((self.onebit.specs(), P()),),
+                             axis_names=self.manual_axes, check_vma=False)(params, batch, rng, scale, model_state, sync)
 
     # ------------------------------------------------------------------------------- train step
-    def _update(self, params, opt_state, grads, apply=None):
+    def _update(self, params, opt_state, grads, apply=None, momentum=None):
         """(params, opt_state, grad_norm, finite): clip, `optimizer.update` and apply, on shards. The step
-        is skipped (the old values kept) when the gradient is not finite (fp16) or `apply` is False."""
+        is skipped (the old values kept) when the gradient is not finite (fp16) or `apply` is False.
+        1-bit Adam's compressed phases pass `momentum` = (the exchanged momentum, the gradient norm)."""
         config = self.config
         fp16 = config.precision == "fp16"
+        if momentum is not None:
+            momentum, grad_norm = momentum
+            updates, new_opt_state = self.optimizer.update(momentum, opt_state, params, momentum=momentum)
+            return optax.apply_updates(params, updates), new_opt_state, grad_norm, True
         # optax.tree.norm's sum, written so that it creates no device constant: under offload this runs
         # on the host, where jax (0.10) refuses to mix memory spaces.
         grad_norm = jnp.sqrt(functools.reduce(jnp.add, [jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)]))
@@ -461,45 +524,73 @@ class Engine:
             new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
         return new_params, new_opt_state, grad_norm, finite
 
-    def _train_step(self, state: TrainState, batch, delayed: bool = True):
+    def _train_step(self, state: TrainState, batch, phase: str = "steady"):
+        """One step. `phase` (static; picked on the host by `step`): 'steady'; with offload's delayed
+        update 'exact' before it starts; under 1-bit Adam 'warmup', 'first' or 'compressed'."""
         config, plan = self.config, self.plan
         fp16 = config.precision == "fp16"
         dynamic_scaling = fp16 and config.loss_scale.loss_scale == 0
         rng = jax.random.fold_in(state.rng, state.step)
         scale = state.loss_scale.scale
         loss_params = self.offload.loss_params(state) if self.offload is not None else state.params
-        grads, loss, aux, model_state = self._sharded_grads(loss_params, batch, rng, scale, state.model_state)
+        sync = sync_state = None
+        if self.onebit is not None and phase != onebit.WARMUP:
+            mu = self.onebit.previous_momentum(state.opt_state.mu, state.sync_state, phase)
+            sync = (mu, state.sync_state, state.step)
+        grads, loss, aux, model_state, sync_out = self._sharded_grads(loss_params, batch, rng, scale,
+                                                                      state.model_state, sync, phase)
         grads = jax.lax.with_sharding_constraint(grads, plan.grads)
         compute = pending = None
         if self.offload is not None:
-            params, opt_state, compute, pending, grad_norm, finite = self.offload(state, grads, delayed)
+            params, opt_state, compute, pending, grad_norm, finite = self.offload(state, grads, phase != "exact")
         else:
             # Stages 1-2: the update runs on this device's shard of replicated parameters (a free slice).
             params_view = jax.lax.with_sharding_constraint(state.params, plan.grads)
-            params, opt_state, grad_norm, finite = self._update(params_view, state.opt_state, grads)
+            momentum = None
+            if sync_out is not None:
+                sync_state, norm = sync_out
+                momentum = (grads, norm)
+            params, opt_state, grad_norm, finite = self._update(params_view, state.opt_state, grads, momentum=momentum)
             finite = jnp.asarray(finite)
             params = jax.lax.with_sharding_constraint(params, plan.params)
             opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_state)
         loss_scale = update_loss_scale(state.loss_scale, ~finite, config.loss_scale, dynamic_scaling)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                                loss_scale=loss_scale, rng=state.rng, model_state=model_state,
-                               compute_params=compute, pending_grads=pending)
+                               compute_params=compute, pending_grads=pending,
+                               sync_state=sync_state if sync_state is not None else state.sync_state)
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": ~finite}
         if aux is not None:
             metrics["aux"] = aux
         return new_state, metrics
 
-    def _step_fn(self, batch, delayed: bool = True):
-        """The jitted step; `delayed` picks the delayed update's steady state or the steps before it
-        (the same program unless offload's delayed_update is on)."""
-        delayed = delayed or not self.config.offload_optimizer.delayed_update
-        if delayed not in self._jit_steps:
-            self._jit_steps[delayed] = jax.jit(
-                functools.partial(self._train_step, delayed=delayed),
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The step's programs, the steady state last (see `_train_step`)."""
+        if self.onebit is not None:
+            return (onebit.WARMUP, onebit.FIRST, onebit.COMPRESSED) if self.onebit.partitioned else (
+                onebit.WARMUP, onebit.COMPRESSED)
+        return ("exact", "steady") if self.config.offload_optimizer.delayed_update else ("steady",)
+
+    def _phase(self, step: int) -> str:
+        if self.onebit is not None:
+            return self.onebit.phase(step, self._exchanged_at)
+        if self.config.offload_optimizer.delayed_update:
+            return "steady" if step >= self.config.offload_optimizer.delayed_update_start else "exact"
+        return "steady"
+
+    def _step_fn(self, batch, phase: str | None = None):
+        """The jitted step of `phase` (default: the steady state)."""
+        phase = phase or self.phases[-1]
+        if phase not in self.phases:
+            raise ValueError(f"phase {phase!r} is not one of this engine's {self.phases}")
+        if phase not in self._jit_steps:
+            self._jit_steps[phase] = jax.jit(
+                functools.partial(self._train_step, phase=phase),
                 in_shardings=(self.state_shardings, self.plan.batch(batch)),
                 out_shardings=(self.state_shardings, self.plan.replicated),
                 donate_argnums=(0,))
-        return self._jit_steps[delayed]
+        return self._jit_steps[phase]
 
     def batch_share(self) -> tuple[int, int]:
         """(index, count): this process feeds block `index` of the global batch's rows cut into `count`
@@ -539,14 +630,18 @@ class Engine:
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step over `batch` (train_batch_size examples). `state` is donated."""
         batch = self.put_batch(batch)
-        offload = self.config.offload_optimizer
-        delayed = True
-        if offload.delayed_update:  # the step number on the host, read once per state not made here
+        phased = len(self.phases) > 1
+        phase = self.phases[-1]
+        if phased:  # the step number (and last exchange) on the host, read once per state not made here
             if state.step is not self._last_step:
                 self._step_count = int(state.step)
-            delayed = self._step_count >= offload.delayed_update_start
-        new_state, metrics = self._step_fn(batch, delayed)(state, batch)
-        if offload.delayed_update:
+                if state.sync_state is not None:
+                    self._exchanged_at = int(state.sync_state.exchanged_at)
+            phase = self._phase(self._step_count)
+        new_state, metrics = self._step_fn(batch, phase)(state, batch)
+        if phased:
+            if self.onebit is not None and phase != onebit.WARMUP:
+                self._exchanged_at = self._step_count
             self._last_step, self._step_count = new_state.step, self._step_count + 1
         return new_state, metrics
 
@@ -572,26 +667,28 @@ class Engine:
         return self._jit_eval(state.params, batch, state.model_state)
 
     # ----------------------------------------------------------------------------- compile-only
-    def compile(self, state, batch):
-        """The compiled step for these (abstract or concrete) arguments; no step is run."""
+    def compile(self, state, batch, phase: str | None = None):
+        """The compiled step (of `phase`; default the steady state) for these (abstract or concrete)
+        arguments; no step is run."""
         batch = self.put_batch(batch)
         # Shardings (memory kinds included) from the plan where the arguments have none.
         state_abs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
             x, "sharding", None) or s), state, self.state_shardings)
         batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-        key = jax.tree.structure((state_abs, batch_abs)), tuple(
+        key = phase, jax.tree.structure((state_abs, batch_abs)), tuple(
             (s.shape, str(s.dtype)) for s in jax.tree.leaves((state_abs, batch_abs)))
         if key not in self._compiled:
-            self._compiled[key] = self._step_fn(batch).lower(state_abs, batch_abs).compile()
+            self._compiled[key] = self._step_fn(batch, phase).lower(state_abs, batch_abs).compile()
         return self._compiled[key]
 
     def memory_report(self, state, batch):
         from zeroflax.memory import memory_report
         return memory_report(self, state, batch)
 
-    def comm_report(self, state, batch):
+    def comm_report(self, state, batch, phase: str | None = None):
+        """Collective bytes of the step of `phase` (default: the steady state; `phases` lists them)."""
         from zeroflax.comm import comm_report
-        return comm_report(self, state, batch)
+        return comm_report(self, state, batch, phase)
 
 
 def _split_variables(tree, collections: tuple):
@@ -663,7 +760,9 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
         init_params, init_state = jax.jit(lambda tree, st: (tree, st), out_shardings=(plan.params, state_sharding))(
             params, unbox(state_tree)[0] if collections else None)
     opt_state = jax.jit(optimizer.init, out_shardings=plan.opt_state)(init_params)
-    pending = None
+    pending = sync_state = None
+    if engine.onebit is not None:
+        sync_state = jax.jit(engine.onebit.init_state, out_shardings=engine.state_shardings.sync_state)()
     if config.offload_optimizer.delayed_update:
         zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_params)
         pending = jax.jit(zeros, out_shardings=plan.host_grads)()
@@ -675,6 +774,7 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
         rng=step_rng,
         model_state=init_state,
         pending_grads=pending,
+        sync_state=sync_state,
     )
     state = engine.with_compute_copy(state)
     state = engine.storage_order(jax.device_put(state, engine.state_shardings))

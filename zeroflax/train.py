@@ -24,6 +24,9 @@ from zeroflax.config import Config, ConfigError, configurable
 from zeroflax.data import TokenLoader, load_tokens, train_val_split, validation_batches
 from zeroflax.generate import generate_text
 from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
+from zeroflax.optim.onebit import onebit_adam
+
+OPTIMIZERS = ("adamw", "onebit_adam")
 
 
 @configurable
@@ -34,6 +37,8 @@ class TrainConfig:
     steps: optimizer steps in total (the learning-rate schedule spans them).
     checkpoint_every / keep_checkpoints: save every K steps, keep the newest N (and always the last).
     eval_every: validation every K steps (0: only before and after); eval_batches: batches per validation.
+    optimizer: 'adamw', or 'onebit_adam' (zeroflax.optim.onebit_adam with the same betas, learning-rate
+        schedule and weight decay) whose warm-up lasts `freeze_step` steps.
     """
 
     workdir: str = "runs/gpt_tiny"
@@ -44,6 +49,8 @@ class TrainConfig:
     learning_rate: float = 3e-3
     warmup_steps: int = 50
     weight_decay: float = 0.1
+    optimizer: str = "adamw"
+    freeze_step: int = 75
     log_every: int = 10
     eval_every: int = 0
     eval_batches: int = 8
@@ -61,7 +68,10 @@ class TrainConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"TrainConfig.{key}", f"must be a positive integer, got {value!r}")
-        for key in ("warmup_steps", "eval_every", "sample_length"):
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError("TrainConfig.optimizer", f"unknown optimizer {self.optimizer!r}",
+                              f"use one of {', '.join(OPTIMIZERS)}")
+        for key in ("warmup_steps", "eval_every", "sample_length", "freeze_step"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"TrainConfig.{key}", f"must be an integer >= 0, got {value!r}")
@@ -76,6 +86,8 @@ class TrainConfig:
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
                                                   end_value=tc.learning_rate * 0.1)
+    if tc.optimizer == "onebit_adam":
+        return onebit_adam(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, freeze_step=tc.freeze_step)
     return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
 
 
@@ -158,6 +170,8 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
         state = engine.storage_order(state)  # checkpoints hold the layers in model order
         loader.restore(data_state)
         say(f"resumed from step {latest} in {checkpoints.directory}")
+        for note in checkpoints.notes:
+            say(note)
     elif resume:
         say(f"no checkpoint in {checkpoints.directory}: starting from scratch")
     start = int(state.step)
