@@ -1,5 +1,9 @@
 """1-bit Adam (zeroflax.optim.onebit_adam) against a numpy simulation of N DeepSpeed workers (onebit_sim.py),
 its bytes per step from the compiled HLO, its checkpoints, and the configurations it refuses."""
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +78,28 @@ def test_matches_deepspeed_workers(stage, grad_clip):
         assert float(metrics["grad_norm"]) > grad_clip
 
 
+def test_two_processes_match_one(tmp_path):
+    """2 processes x 4 devices (gloo), ZeRO stage 2, 12 steps with freeze_step 4: the same parameters as
+    1 x 8 (and as the simulation) within 1e-6."""
+    out = tmp_path / "params.npz"
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-m", "zeroflax", "launch", "--nproc", "2", "--devices_per_process", "4",
+                           "--", sys.executable, os.path.join(here, "onebit_multiprocess.py"), str(out)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=os.path.dirname(here))
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = dict(np.load(out))
+    assert int(two.pop("processes")) == 2
+    params, grads = problem(12)
+    engine, state = engine_for(2)
+    for t in range(12):
+        state, _ = engine.step(state, grads[t])
+    expected, _, _ = simulated(engine, params, grads, 12)
+    for k in SHAPES:
+        np.testing.assert_allclose(two[k], np.asarray(state.params[k]), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(two[k], expected[k], atol=1e-5, rtol=0)
+
+
 def test_one_worker_is_adam_without_bias_correction_and_a_frozen_variance():
     """As a plain optax transformation (one worker: DeepSpeed does not compress) onebit_adam is Adam without
     bias correction, eps outside the square root, whose variance stops at freeze_step."""
@@ -108,6 +134,8 @@ def test_compressed_step_moves_a_32nd_of_an_all_reduce():
     run = 0.15 * warmup.total_bytes + 0.85 * compressed.total_bytes
     assert warmup.total_bytes / run >= 5
     assert "all-to-all" in compressed.by_kind and "compressed step" in str(compressed)
+    memory = engine.memory_report(state, batch)  # the error buffers: 4 N C + 4 C bytes per device
+    assert memory.sync_state == memory.sync_theory and "1-bit Adam buffers" in str(memory)
 
 
 def test_checkpoints_keep_the_error_buffers_and_reset_them_on_another_device_count(tmp_path):

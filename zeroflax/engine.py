@@ -671,6 +671,7 @@ class Engine:
         """The compiled step (of `phase`; default the steady state) for these (abstract or concrete)
         arguments; no step is run."""
         batch = self.put_batch(batch)
+        phase = phase or self.phases[-1]
         # Shardings (memory kinds included) from the plan where the arguments have none.
         state_abs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
             x, "sharding", None) or s), state, self.state_shardings)

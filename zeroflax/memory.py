@@ -61,6 +61,9 @@ class MemoryReport:
     theory_device: float = 0.0  # offload: model states the device should hold at rest
     theory_host: float = 0.0  # offload: model states the host should hold (per device)
     xla_host: dict = dataclasses.field(default_factory=dict)  # memory_analysis' host_* fields (0 on CPU)
+    # 1-bit Adam: its sync state (error buffers, the last exchanged momentum's bits) and that state's theory.
+    sync_state: int = 0
+    sync_theory: float = 0.0
 
     @property
     def at_rest(self) -> int:
@@ -82,7 +85,7 @@ class MemoryReport:
 
     @property
     def unaccounted(self) -> int:
-        return self.argument - (self.at_rest + self.pending_grads + self.other_state + self.batch)
+        return self.argument - (self.at_rest + self.pending_grads + self.sync_state + self.other_state + self.batch)
 
     @property
     def peak_estimate(self) -> int:
@@ -121,6 +124,9 @@ class MemoryReport:
                 f"  {'  host at rest':<28}{mib(self.host_at_rest)}   theory {self.theory_host / 2**20:.2f} MiB",
                 "  XLA's host figures (memory_analysis; 0 on the CPU backend): "
                 + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.xla_host.items())]
+        if self.sync_theory:
+            lines.append(f"  {'1-bit Adam buffers':<28}{mib(self.sync_state)}   theory {self.sync_theory / 2**20:.2f} MiB "
+                         "(worker error 4 N C + server error 4 C + sign bits per leaf)")
         if self.pipe_size > 1:
             lines.append(f"  pipeline bubble: {self.bubble_fraction:.3f} of each stage's ticks idle")
         if self.stage == 3:
@@ -226,6 +232,12 @@ def memory_report(engine, state, batch) -> MemoryReport:
         theory_device, theory_host = offload_theory(engine)
         offload = dict(theory_device=theory_device, theory_host=theory_host)
     xla_host = {name: getattr(stats, f"host_{name}_size_in_bytes", 0) for name in ("argument", "output", "temp")}
+    sync = {}
+    if engine.onebit is not None:
+        layouts = jax.tree.leaves(engine.onebit.layouts, is_leaf=lambda x: hasattr(x, "cols"))
+        theory_sync = sum(4 * l.rows * l.cols + 4 * l.cols + (l.rows * (l.cols // 8 + 4) if l.zero_dim is not None else 0)
+                          for l in layouts) + 4
+        sync = dict(sync_state=shard_bytes(abstract.sync_state, shardings.sync_state), sync_theory=theory_sync)
     theory = theory_at_rest(engine.config.zero_stage, num_params, engine.data_size, full_params / num_params,
                             full_opt / num_params, pipe * tensor)
     if offload:
@@ -236,7 +248,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
         argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
         temp=stats.temp_size_in_bytes, alias=stats.alias_size_in_bytes,
         theory_at_rest=theory, compute_params=compute_params, pending_grads=pending, host_params=host_params,
-        host_opt_state=host_opt, xla_host=xla_host, **offload,
+        host_opt_state=host_opt, xla_host=xla_host, **offload, **sync,
         pipe_size=pipe, tensor_size=tensor,
         bubble_fraction=engine.schedule.bubble_fraction() if engine.schedule is not None else 0.0, **gathered)
 
