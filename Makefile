@@ -19,8 +19,9 @@ run: setup
 	$(BIN)/zeroflax train --gin_file experiments/gpt_tiny_zero3.gin --resume
 
 # The test suite (about 20 minutes on 2 cores). pytest's exit code 5 (no tests collected) is a failure.
+# PYTEST_ARGS adds pytest options, e.g. make test PYTEST_ARGS=--durations=30
 test: setup
-	$(BIN)/python -m pytest -n 2 -q tests
+	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

@@ -36,6 +36,8 @@ def test_gin_file_builds_valid_configs(path, monkeypatch):
         assert config.quantized_weights and config.zero_stage == 3 and config.precision == "bf16"
     if "offload" in name:
         assert config.offload_optimizer.enabled and config.offload_param.enabled and config.zero_stage == 3
+    if "onebit" in name:  # 1-bit Adam refuses stage 3; its warm-up is 15% of the run
+        assert train.optimizer == "onebit_adam" and config.zero_stage == 2 and train.freeze_step == round(0.15 * train.steps)
     if "sparse" in name:
         assert model.attention == "sparse" and model.sparsity.num_heads == model.num_heads
         model.sparsity.make_layout(train.seq_len)

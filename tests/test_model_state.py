@@ -79,7 +79,8 @@ def relative_error(tree, reference) -> float:
     return (diff / sum(float(jnp.sum(jnp.square(b))) for _, b in pairs)) ** 0.5
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# Stage 1 is left out: its model state is handled exactly as stage 2's (replicated, averaged over `data`).
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_resnet18_batch_stats_match_flax_per_device(stage):
     variables, batches = setup()
     config = zeroflax.Config(zero_stage=stage, micro_batch_size=MICRO, persistence_threshold=0,

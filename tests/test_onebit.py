@@ -191,3 +191,9 @@ def test_a_wrapped_onebit_adam_is_refused():
     with pytest.raises(zeroflax.ConfigError, match="optimizer"):
         zeroflax.initialize(linear_loss, problem(0)[0], optax.chain(optax.clip(1.0), onebit_adam(1e-3)),
                             zeroflax.Config(zero_stage=1, micro_batch_size=1, remat="none"))
+
+
+def test_the_main_job_names_an_unknown_optimizer():
+    from zeroflax.train import TrainConfig
+    with pytest.raises(zeroflax.ConfigError, match="TrainConfig.optimizer"):
+        TrainConfig(optimizer="sgd")
