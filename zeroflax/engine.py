@@ -21,6 +21,10 @@ runs there (`compute_on('device_host')`, or on the device with the state brought
 the new compute copy comes back; with `delayed_update` the update applies the previous step's
 gradients, so it does not wait for this step's backward pass. With `Config.offload_param` the ZeRO-3
 gathers stream their master shards from the host (`sharding.layers.gather_from_host`).
+
+With `zeroflax.optim.onebit_adam` as the optimizer, its sync (`optim/onebit.py`) replaces ZeRO's after the
+warm-up: each device's momentum is exchanged as sign bits, and the update receives it. The step then has
+several programs (`Engine.phases`), picked on the host from the step number.
 """
 from __future__ import annotations
 
@@ -333,8 +337,9 @@ class Engine:
 
     def _local_grads(self, params, batch, rng, scale, model_state, sync=None, phase: str = "steady"):
         """Per device (manual over `data`): loss and synchronised gradients of its micro-batches. Under
-        1-bit Adam's compressed phases, `sync` is (its state, the last momentum where passed whole) and the
-        gradients returned are the exchanged momentum, with the new sync state and the gradient norm."""
+        1-bit Adam's compressed phases, `sync` is (the last momentum where passed whole, the sync state, the
+        step) and the gradients returned are the exchanged momentum, with (the new sync state, the gradient
+        norm) last."""
         config = self.config
         compressed = self.onebit is not None and phase != onebit.WARMUP
         per_microbatch = (functools.partial(self.onebit.per_microbatch, phase=phase) if self.onebit is not None
@@ -535,7 +540,7 @@ class Engine:
         loss_params = self.offload.loss_params(state) if self.offload is not None else state.params
         sync = sync_state = None
         if self.onebit is not None and phase != onebit.WARMUP:
-            mu = self.onebit.previous_momentum(state.opt_state.mu, state.sync_state, phase)
+            mu = self.onebit.previous_momentum(state.opt_state.mu, phase)
             sync = (mu, state.sync_state, state.step)
         grads, loss, aux, model_state, sync_out = self._sharded_grads(loss_params, batch, rng, scale,
                                                                       state.model_state, sync, phase)

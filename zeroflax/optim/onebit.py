@@ -284,7 +284,7 @@ class OneBitSync:
     def per_microbatch(self, grads, phase: str):
         return self.zero.per_microbatch(grads) if phase == WARMUP else grads
 
-    def previous_momentum(self, mu, sync: SyncState, phase: str):
+    def previous_momentum(self, mu, phase: str):
         """Per leaf, the whole momentum of the last step, as the engine passes it into the shard_map: the
         at-rest momentum where it is whole (or gathered: 'first'), else None (decompressed from the bits)."""
         def leaf(l: Layout, m):
