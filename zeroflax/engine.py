@@ -45,6 +45,7 @@ from zeroflax.config import Config, ConfigError
 from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_loss_scale
 from zeroflax.optim.offload import OffloadedUpdate, on_device
 from zeroflax.optim import onebit
+from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
 from zeroflax.sharding.manual import psum_on_slices
@@ -513,14 +514,10 @@ class Engine:
             momentum, grad_norm = momentum
             updates, new_opt_state = self.optimizer.update(momentum, opt_state, params, momentum=momentum)
             return optax.apply_updates(params, updates), new_opt_state, grad_norm, True
-        # optax.tree.norm's sum, written so that it creates no device constant: under offload this runs
-        # on the host, where jax (0.10) refuses to mix memory spaces.
-        grad_norm = jnp.sqrt(functools.reduce(jnp.add, [jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)]))
+        grad_norm = global_norm(grads)
         finite = jnp.isfinite(grad_norm) if fp16 else True
         if config.grad_clip > 0:
-            # optax.clip_by_global_norm's rule, so a clipped step equals optax's chain.
-            factor = jnp.where(grad_norm < config.grad_clip, 1.0, config.grad_clip / grad_norm)
-            grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+            grads = clip_to(grads, grad_norm, config.grad_clip)  # so a clipped step equals optax's chain
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if fp16 or apply is not None:

@@ -38,6 +38,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroflax.kernels.onebit_pack import pack_signs, unpack_signs
+from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.policy import ZERO_PARTITIONED
 
@@ -299,10 +300,9 @@ class OneBitSync:
         s = self.settings
         n = self.data_size
         local = jax.tree.map(lambda g: g.astype(jnp.float32) * n, grads)
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(local)))
+        norm = global_norm(local)
         if self.grad_clip > 0:  # DeepSpeed's fp32 engine clips what its optimizer sees: here the local gradient
-            factor = jnp.where(norm < self.grad_clip, 1.0, self.grad_clip / norm)
-            local = jax.tree.map(lambda g: g * factor, local)
+            local = clip_to(local, norm, self.grad_clip)
 
         def leaf(l: Layout, g, m_prev, state: LeafSync):
             if m_prev is None:  # the last exchange's result, from its bits
