@@ -234,10 +234,8 @@ def memory_report(engine, state, batch) -> MemoryReport:
     xla_host = {name: getattr(stats, f"host_{name}_size_in_bytes", 0) for name in ("argument", "output", "temp")}
     sync = {}
     if engine.onebit is not None:
-        layouts = jax.tree.leaves(engine.onebit.layouts, is_leaf=lambda x: hasattr(x, "cols"))
-        theory_sync = sum(4 * l.rows * l.cols + 4 * l.cols + (l.rows * (l.cols // 8 + 4) if l.zero_dim is not None else 0)
-                          for l in layouts) + 4
-        sync = dict(sync_state=shard_bytes(abstract.sync_state, shardings.sync_state), sync_theory=theory_sync)
+        sync = dict(sync_state=shard_bytes(abstract.sync_state, shardings.sync_state),
+                    sync_theory=engine.onebit.state_bytes())
     theory = theory_at_rest(engine.config.zero_stage, num_params, engine.data_size, full_params / num_params,
                             full_opt / num_params, pipe * tensor)
     if offload:

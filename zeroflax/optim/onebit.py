@@ -277,9 +277,12 @@ class OneBitSync:
         return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs(),
                             is_leaf=lambda x: isinstance(x, P))
 
-    def signature(self) -> list:
-        """What the state's meaning depends on (checkpoints restore it only where this matches)."""
-        return [[list(l.shape), l.rows, l.zero_dim] for l in jax.tree.leaves(self.layouts, is_leaf=_is_layout)]
+    def state_bytes(self) -> int:
+        """The sync state's bytes per device, by the layouts: per leaf the worker error (4 N C), the server
+        error (4 C) and, for a partitioned leaf, the last exchange's bits and scales (N C / 8 + 4 N); and the
+        step of that exchange."""
+        return sum(4 * l.rows * l.cols + 4 * l.cols + (l.rows * (l.cols // 8 + 4) if l.zero_dim is not None else 0)
+                   for l in jax.tree.leaves(self.layouts, is_leaf=_is_layout)) + 4
 
     # inside the engine's shard_map
     def per_microbatch(self, grads, phase: str):
