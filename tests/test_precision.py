@@ -1,5 +1,11 @@
 """Mixed precision: bf16/fp16 compute with fp32 master weights; fp16 dynamic loss scaling with
 DeepSpeed's semantics (skip on overflow, hysteresis, window, minimum scale)."""
+import dataclasses
+import functools
+import json
+import pathlib
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,44 +17,85 @@ from zeroflax.config import LossScaleConfig
 from zeroflax.optim.loss_scale import init_loss_scale, update_loss_scale
 
 
-class PlainScaler:
-    """DeepSpeed's dynamic loss scaler, restated in plain Python for comparison."""
-
-    def __init__(self, c: LossScaleConfig):
-        self.c, self.scale, self.hysteresis = c, 2.0 ** c.initial_scale_power, c.hysteresis
-        self.last_overflow, self.iteration = -1, 0
-
-    def update(self, overflow: bool):
-        if overflow:
-            if self.hysteresis == 1:
-                self.scale = max(self.scale / 2, self.c.min_loss_scale)
-            else:
-                self.hysteresis -= 1
-            self.last_overflow = self.iteration
-        else:
-            if self.c.consecutive_hysteresis:
-                self.hysteresis = self.c.hysteresis
-            if (self.iteration - self.last_overflow) % self.c.loss_scale_window == 0:
-                if not self.c.consecutive_hysteresis:
-                    self.hysteresis = self.c.hysteresis
-                self.scale *= 2
-        self.iteration += 1
+# Traces of DeepSpeed's own DynamicLossScaler, built from JSON `fp16` blocks the way its ZeRO optimizers build
+# it, and stepped over scripted overflow sequences (tools/gen_loss_scale_traces.py; the file records the
+# DeepSpeed commit). Restating DeepSpeed's rule here instead would only test zeroflax against our reading of it.
+TRACES = json.loads((pathlib.Path(__file__).parent / "data" / "loss_scale_traces.json").read_text())
 
 
-@pytest.mark.parametrize("consecutive", [False, True])
-def test_scaler_follows_deepspeed(consecutive):
-    config = LossScaleConfig(initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=2.0,
-                             consecutive_hysteresis=consecutive)
-    rng = np.random.default_rng(7)
-    flags = list(rng.random(60) < 0.35) + [True] * 8 + [False] * 7
-    plain, state = PlainScaler(config), init_loss_scale(config, enabled=True)
-    update = jax.jit(lambda s, o: update_loss_scale(s, o, config, dynamic=True))
-    for flag in flags:
-        plain.update(bool(flag))
-        state = update(state, jnp.asarray(flag))
-        assert float(state.scale) == plain.scale
-        assert int(state.hysteresis) == plain.hysteresis
-    assert plain.scale >= 2.0
+def test_traces_cover_the_rules():
+    """A regenerated trace file must keep exercising every rule the replay checks."""
+    dynamic = [t for t in TRACES["traces"] if t["fp16"]["loss_scale"] == 0]
+    keys = {(t["fp16"]["loss_scale_window"], t["fp16"]["hysteresis"], t["fp16"]["consecutive_hysteresis"])
+            for t in dynamic}
+    assert {(w, h, c) for w in (1, 2, 3, 5) for h in (1, 2, 3) for c in (False, True)} <= keys
+    assert sum(bool(t["raises_at"]) for t in dynamic) >= 5  # overflows at the minimum scale
+    assert any(t["fp16"]["loss_scale"] > 0 for t in TRACES["traces"])  # a static scale
+    assert max(len(t["overflow"]) for t in dynamic) > 2 * 1000  # two windows of DeepSpeed's default 1000
+
+
+def test_config_is_deepspeeds_fp16_block():
+    """LossScaleConfig's fields are the scaler keys of DeepSpeed's `fp16` block, with its defaults, and its
+    engine builds the scaler to raise at the minimum scale (what min_scale_overflows stands in for)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LossScaleConfig)}
+    assert defaults == TRACES["fp16_defaults"]
+    assert TRACES["engine_scaler"]["raise_error_at_min_scale"] is True
+
+
+@functools.lru_cache(maxsize=None)
+def _replayed() -> dict:
+    """Every trace's states after each of its steps, by trace name. The dynamic traces run in one compiled
+    scan, vmapped over the traces (padded with good steps to one length) with each config's fields as
+    arrays: update_loss_scale only does arithmetic on them, so one compilation serves 40-odd configs."""
+    traces = TRACES["traces"]
+    configs = [LossScaleConfig(**t["fp16"]) for t in traces]  # DeepSpeed's keys are our fields, one for one
+    dynamic = [c.loss_scale == 0 for c in configs]  # as Engine._train_step decides
+    out = {}
+    for is_dynamic in (True, False):
+        group = [i for i, d in enumerate(dynamic) if d == is_dynamic]
+        flags = np.zeros((len(group), max(len(traces[i]["overflow"]) for i in group)), bool)
+        for row, i in enumerate(group):
+            flags[row, :len(traces[i]["overflow"])] = traces[i]["overflow"]
+        fields = {f.name: np.asarray([getattr(configs[i], f.name) for i in group],
+                                     {bool: bool, int: np.int32, float: np.float32}[type(f.default)])
+                  for f in dataclasses.fields(LossScaleConfig)}
+        initial = jax.tree.map(lambda *x: jnp.stack(x), *[init_loss_scale(configs[i], enabled=True) for i in group])
+
+        def replay(state, fields, flags):
+            config = types.SimpleNamespace(**fields)
+
+            def step(state, overflow):
+                state = update_loss_scale(state, overflow, config, is_dynamic)
+                return state, state
+
+            return jax.lax.scan(step, state, flags)[1]
+
+        states = jax.device_get(jax.jit(jax.vmap(replay))(initial, fields, flags))
+        out.update({traces[i]["name"]: jax.tree.map(lambda x: x[row, :len(traces[i]["overflow"])], states)
+                    for row, i in enumerate(group)})
+    return out
+
+
+@pytest.mark.parametrize("trace", TRACES["traces"], ids=lambda t: t["name"])
+def test_scaler_replays_deepspeed_trace(trace):
+    initial = init_loss_scale(LossScaleConfig(**trace["fp16"]), enabled=True)
+    assert float(initial.scale) == trace["initial"]["scale"]
+    states = _replayed()[trace["name"]]
+    steps = np.arange(len(trace["overflow"]))
+    expected = {"scale": np.asarray(trace["scale"], np.float32),
+                # a DeepSpeed run ends at its first exception; the count is how zeroflax reports such steps
+                "min_scale_overflows": np.cumsum(np.isin(steps, trace["raises_at"]))}
+    if trace["initial"]["hysteresis"] is not None:  # DeepSpeed's static scaler has no hysteresis
+        assert int(initial.hysteresis) == trace["initial"]["hysteresis"]
+        expected["hysteresis"] = np.asarray(trace["hysteresis"])
+    for field, want in expected.items():
+        got = np.asarray(getattr(states, field))
+        wrong = np.flatnonzero(got != want)
+        if wrong.size:
+            at = wrong[0]
+            pytest.fail(f"{trace['name']}: {field} differs from DeepSpeed's first at step {at}: {got[at]} != "
+                        f"{want[at]}; overflow flags of steps {max(0, at - 20)}..{at}: "
+                        f"{trace['overflow'][max(0, at - 20):at + 1]}")
 
 
 def _poisoned_setup(precision, **scale_kwargs):
@@ -83,6 +130,22 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     state, metrics = engine.step(state, batch(1.0))
     assert not bool(metrics["skipped"])
     assert not np.array_equal(jax.device_get(state.params)["w"], before["w"])
+
+
+def test_fp16_overflow_at_the_minimum_scale_is_counted_in_the_train_state():
+    # Halving 2 -> 1 reaches the minimum (no error); the next overflow there is where DeepSpeed's ZeRO
+    # optimizers raise. The jitted step skips it, keeps the scale and counts it in the train state.
+    engine, state, batch = _poisoned_setup("fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1)
+    state, metrics = engine.step(state, batch(np.inf))
+    assert bool(metrics["skipped"]) and float(state.loss_scale.scale) == 1.0
+    assert int(state.loss_scale.min_scale_overflows) == 0
+    before = jax.device_get(state.params)
+    state, metrics = engine.step(state, batch(np.inf))
+    assert bool(metrics["skipped"]) and float(state.loss_scale.scale) == 1.0
+    assert int(state.loss_scale.min_scale_overflows) == 1
+    np.testing.assert_array_equal(jax.device_get(state.params)["w"], before["w"])
+    state, metrics = engine.step(state, batch(1.0))
+    assert not bool(metrics["skipped"]) and int(state.loss_scale.min_scale_overflows) == 1
 
 
 def test_fp16_large_scale_overflows_in_half_precision_then_recovers():

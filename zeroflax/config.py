@@ -103,14 +103,23 @@ class MeshConfig:
 @configurable
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
-    """fp16 dynamic loss scaling; the keys and semantics mirror DeepSpeed's `fp16` block.
+    """fp16 loss scaling: DeepSpeed's `fp16` block, key for key, run by DeepSpeed's `DynamicLossScaler` rule
+    (the one its ZeRO optimizers use; zeroflax/optim/loss_scale.py, checked against traces of DeepSpeed's class).
 
-    loss_scale: 0 for dynamic scaling, or a fixed scale.
+    loss_scale: 0 for dynamic scaling, or a fixed scale that never changes.
     initial_scale_power: the dynamic scale starts at 2**initial_scale_power.
-    loss_scale_window: steps without overflow before the scale doubles.
-    hysteresis: overflows tolerated before the scale is halved.
-    consecutive_hysteresis: refill the hysteresis budget on every non-overflow step.
-    min_loss_scale: the scale never drops below this.
+    loss_scale_window: W. On a good step, with `stable` = the good steps before it since the last overflow
+        (or since the start), the scale doubles when stable > 0 and stable % W == 0: the step after W good
+        ones, so with no overflow at steps W, 2W, ... (0-based), and after an overflow at step k at steps
+        k + 1 + W, k + 1 + 2W, ...
+    hysteresis: H, the overflow budget (it starts full). An overflow with more than 1 left uses one up;
+        one with 1 left halves the scale (never below `min_loss_scale`). The budget refills to H when the
+        scale doubles. (DeepSpeed accepts H < 1, which never halves; here it is refused.)
+    consecutive_hysteresis: also refill the budget on every good step.
+    min_loss_scale: the scale never drops below this; DeepSpeed's key is an integer (1.0 is accepted as 1).
+        An overflow that finds the scale at this minimum with a budget of 1 stops a DeepSpeed run (an
+        exception); a jitted step cannot raise, so zeroflax skips the step, keeps the scale, and counts it in
+        `TrainState.loss_scale.min_scale_overflows`.
     """
 
     loss_scale: float = 0.0
@@ -122,7 +131,8 @@ class LossScaleConfig:
 
     def __post_init__(self):
         k = "LossScaleConfig."
-        _require(isinstance(self.loss_scale, (int, float)) and self.loss_scale >= 0, k + "loss_scale",
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        _require(number(self.loss_scale) and self.loss_scale >= 0, k + "loss_scale",
                  f"must be 0 (dynamic) or a positive fixed scale, got {self.loss_scale!r}")
         _require(_is_int(self.initial_scale_power) and 0 <= self.initial_scale_power <= 64,
                  k + "initial_scale_power", f"must be an integer in [0, 64], got {self.initial_scale_power!r}")
@@ -130,8 +140,13 @@ class LossScaleConfig:
                  f"must be a positive integer, got {self.loss_scale_window!r}")
         _require(_is_int(self.hysteresis) and self.hysteresis >= 1, k + "hysteresis",
                  f"must be a positive integer, got {self.hysteresis!r}")
-        _require(isinstance(self.min_loss_scale, (int, float)) and self.min_loss_scale > 0,
-                 k + "min_loss_scale", f"must be > 0, got {self.min_loss_scale!r}")
+        _require(isinstance(self.consecutive_hysteresis, bool), k + "consecutive_hysteresis",
+                 f"must be True or False, got {self.consecutive_hysteresis!r}")
+        _require(number(self.min_loss_scale) and self.min_loss_scale > 0, k + "min_loss_scale",
+                 f"must be a number > 0, got {self.min_loss_scale!r}")
+        _require(float(self.min_loss_scale).is_integer(), k + "min_loss_scale",
+                 f"must be a whole number, got {self.min_loss_scale!r}",
+                 "DeepSpeed's fp16.min_loss_scale is an integer")
 
 
 def _check_offload_device(prefix: str, device, pin_memory) -> None:
