@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -27,6 +28,8 @@ from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
 from zeroflax.optim.onebit import onebit_adam
 
 OPTIMIZERS = ("adamw", "onebit_adam")
+ADAM_BETAS = (0.9, 0.95)  # the main job's Adam betas and eps (also "auto" in a DeepSpeed JSON's optimizer)
+ADAM_EPS = 1e-8
 
 
 @configurable
@@ -83,12 +86,66 @@ class TrainConfig:
             raise ConfigError("TrainConfig.warmup_steps", f"{self.warmup_steps} must be below steps ({self.steps})")
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
-                                                  end_value=tc.learning_rate * 0.1)
+def make_schedule(tc: TrainConfig):
+    """The main job's learning rate: linear warm-up to TrainConfig.learning_rate, cosine decay to a tenth."""
+    return optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
+                                              end_value=tc.learning_rate * 0.1)
+
+
+def make_optimizer(tc: TrainConfig, schedule=None) -> optax.GradientTransformation:
+    """TrainConfig's optimizer; `schedule` (a number or an optax schedule) replaces make_schedule(tc)."""
+    schedule = make_schedule(tc) if schedule is None else schedule
+    b1, b2 = ADAM_BETAS
     if tc.optimizer == "onebit_adam":
-        return onebit_adam(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, freeze_step=tc.freeze_step)
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
+        return onebit_adam(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay,
+                           freeze_step=tc.freeze_step)
+    return optax.adamw(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay)
+
+
+class DeepSpeedJob(NamedTuple):
+    config: Config
+    model_config: GPTConfig
+    optimizer: optax.GradientTransformation
+    schedule: Any
+
+
+def deepspeed_job(path: str, tc: TrainConfig, config: Config, model_config: GPTConfig,
+                  bound: dict | None = None) -> DeepSpeedJob:
+    """The main job with a DeepSpeed JSON (`zeroflax train --deepspeed_config`), docs/from_deepspeed.md.
+
+    `config` (gin's Config) keeps what the JSON does not decide (mesh, seed, pipeline, ...) and fills "auto";
+    `bound` (gin's explicit bindings) fills keys the JSON leaves out and must agree with keys it writes.
+    TrainConfig plays Hugging Face's TrainingArguments: its learning_rate, weight_decay, warmup_steps and steps
+    are the values of "auto", and its optimizer is the client optimizer when the JSON has no optimizer block
+    (then with the JSON's schedule, or without a scheduler block its own warm-up and cosine decay).
+    """
+    from zeroflax.deepspeed_config import from_deepspeed, load_json
+
+    bound = dict(bound or {})
+    ds, _ = load_json(path)
+    gpt_bound = [name for name in ("GPTConfig.attention", "GPTConfig.sparsity") if name in bound]
+    if "sparse_attention" in ds and gpt_bound:
+        raise ConfigError("sparse_attention", f"sets the model's attention, which gin binds too ({gpt_bound[0]})",
+                          "remove one of the two")
+    imported = from_deepspeed(
+        ds, base=config, bound=bound, learning_rate=tc.learning_rate, weight_decay=tc.weight_decay, betas=ADAM_BETAS,
+        eps=ADAM_EPS, warmup_steps=tc.warmup_steps, total_steps=tc.steps, hidden_size=model_config.d_model,
+        default_optimizer=lambda schedule: make_optimizer(tc, schedule))
+    schedule = imported.schedule if imported.schedule is not None else make_schedule(tc)
+    if jax.process_index() == 0:
+        print(f"--deepspeed_config {path}:")
+        ignored = [k for k, block in (("learning_rate, weight_decay, optimizer", "optimizer"),
+                                      ("warmup_steps", "scheduler")) if block in ds]
+        for note in list(imported.notes) + [f"TrainConfig.{k}: used only where the JSON says 'auto'" for k in ignored]:
+            print(f"  {note}")
+    return DeepSpeedJob(imported.config, imported.model_config(model_config), imported.optimizer, schedule)
+
+
+def applied_updates(state, default: int):
+    """The optimizer's update count (every optax `count` in its state advances on applied updates only)."""
+    from optax import tree_utils
+    counts = tree_utils.tree_get_all_with_path(state.opt_state, "count")
+    return jax.numpy.asarray(int(counts[0][1]) if counts else default, jax.numpy.int32)  # int(): it may be on the host
 
 
 class MetricsLog:
@@ -131,8 +188,14 @@ def validation_bits_per_byte(engine, state, val_tokens, tc: TrainConfig) -> floa
 
 
 def train(tc: TrainConfig | None = None, config: Config | None = None, model_config: GPTConfig | None = None, *,
-          resume: bool = False, stop_at: int | None = None, progress: bool = True) -> dict:
-    """Run (or resume) training; returns a summary (validation bits per byte, final loss, sample)."""
+          resume: bool = False, stop_at: int | None = None, progress: bool = True,
+          optimizer: optax.GradientTransformation | None = None, schedule=None) -> dict:
+    """Run (or resume) training; returns a summary (validation bits per byte, final loss, sample).
+
+    optimizer: replaces make_optimizer(tc), e.g. the one `zeroflax.from_deepspeed` imported.
+    schedule: the learning rate as a function of the applied-update count; each metrics row then has the
+        "lr" its step used (a step skipped on an fp16 overflow does not advance it, as in DeepSpeed).
+    """
     from tqdm.auto import tqdm
 
     tc, config, model_config = tc or TrainConfig(), config or Config(), model_config or GPTConfig()
@@ -151,7 +214,8 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
     sample = {"tokens": np.zeros((1, tc.seq_len + 1), np.int32)}
     engine, state = zeroflax.initialize(next_token_loss(model),
                                         lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"],
-                                        make_optimizer(tc), config, sample_batch=sample)
+                                        optimizer if optimizer is not None else make_optimizer(tc), config,
+                                        sample_batch=sample)
     # The rows this process's devices hold: its block of the batch, or all of it when only `pipe` spans hosts.
     index, count = engine.batch_share()
     loader = TokenLoader(train_tokens, tc.seq_len, engine.train_batch_size, seed=config.seed,
@@ -192,21 +256,33 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
     tokens_per_step = engine.train_batch_size * tc.seq_len
     bar = tqdm(total=tc.steps, initial=start, disable=not (is_main and progress), unit="step", dynamic_ncols=True)
     last_time, last_step, batch, loss = time.perf_counter(), start, first_batch, float("nan")
+    # With a schedule to log: the applied updates so far (a device scalar, so counting costs no wait), which is
+    # the schedule's count: the optimizer state's own count, which skipped fp16 steps leave alone.
+    applied = applied_updates(state, start) if schedule is not None else None
+    warned_min_scale = False
     for step in range(start, end):
         if batch is None:
             batch = loader.next_batch()
         state, metrics = engine.step(state, batch)
         batch = None
         done = step + 1
+        if schedule is not None:
+            count, applied = applied, applied + (~metrics["skipped"]).astype(jax.numpy.int32)
         if done % tc.log_every == 0 or done == end:
             loss = float(metrics["loss"])  # waits for the step
             now = time.perf_counter()
             tokens_per_s = (done - last_step) * tokens_per_step / (now - last_time)
             last_time, last_step = now, done
+            extra = {} if schedule is None else {"lr": float(schedule(count))}
             metrics_log.write(done, loss=loss, grad_norm=float(metrics["grad_norm"]),
                               loss_scale=float(metrics["loss_scale"]), skipped=bool(metrics["skipped"]),
-                              tokens_per_s=tokens_per_s)
+                              tokens_per_s=tokens_per_s, **extra)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            if not warned_min_scale and int(state.loss_scale.min_scale_overflows):
+                warned_min_scale = True  # DeepSpeed would have stopped here; say so once, and go on
+                bar.write(f"step {done}: warning: an fp16 overflow at the minimum loss scale "
+                          f"(LossScaleConfig.min_loss_scale = {config.loss_scale.min_loss_scale}) was skipped; DeepSpeed "
+                          "stops a run there. The loss has likely diverged: lower the learning rate or use bf16")
         if tc.eval_every and done % tc.eval_every == 0 and done != end:
             bpb = validation_bits_per_byte(engine, state, val_tokens, tc)
             metrics_log.write(done, val_bits_per_byte=bpb)

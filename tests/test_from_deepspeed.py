@@ -1,0 +1,369 @@
+"""zeroflax.from_deepspeed: real DeepSpeed configs train the tiny GPT with DeepSpeed's hyper-parameters and
+DeepSpeed's learning rate at every step; malformed configs give one-line errors keyed by their JSON path.
+
+Expected learning rates come from DeepSpeed's own lr_schedules.py (tests/data/deepspeed_schedule_traces.json,
+made by tools/gen_deepspeed_schedule_traces.py); the other expected values are read from the JSON files
+(tests/data/deepspeed_configs/, copied verbatim: sources in its README.md) or are DeepSpeed's defaults where
+a file leaves a key out (cited where used).
+"""
+import copy
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeroflax
+from cli_helpers import ROOT, zeroflax as run_cli
+from zeroflax import ConfigError
+from zeroflax.deepspeed_config import from_deepspeed
+from zeroflax.deepspeed_keys import render_markdown
+from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
+from zeroflax.train import TrainConfig, deepspeed_job
+
+DATA = os.path.join(ROOT, "tests", "data")
+CONFIGS = os.path.join(DATA, "deepspeed_configs")
+with open(os.path.join(DATA, "deepspeed_schedule_traces.json")) as f:
+    TRACES = {case["name"]: case for case in json.load(f)["cases"]}
+
+# DeepSpeed's defaults where a file leaves a key out: FusedAdam's betas and eps (deepspeed/ops/adam/fused_adam.py)
+# and OnebitAdam's (deepspeed/runtime/fp16/onebit/adam.py) are the same; gradient_clipping's is 1.0
+# (GRADIENT_CLIPPING_DEFAULT in deepspeed/runtime/constants.py); initial_scale_power's 16 (precision_config.py).
+DS_BETAS, DS_EPS, DS_WEIGHT_DECAY, DS_CLIP, DS_SCALE_POWER = (0.9, 0.999), 1e-8, 0.0, 1.0, 16
+MODEL = GPTConfig(vocab_size=64, num_layers=1, d_model=16, num_heads=4, max_len=8)  # 4 heads: autotp_size 4
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def params():
+    """The tiny GPT's parameters (with their logical-axis boxes), made once from the abstract shapes: handing
+    initialize a pytree instead of an init function saves compiling the model's init for each config, and
+    compiling it even once costs more than the values matter here (any non-degenerate weights train)."""
+    tokens = jnp.zeros((1, MODEL.max_len), jnp.int32)
+    abstract = jax.eval_shape(GPT(MODEL).init, jax.random.PRNGKey(0), tokens)["params"]
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: (0.2 * rng.standard_normal(s.shape)).astype(s.dtype), abstract)
+
+
+def load(name):
+    with open(os.path.join(CONFIGS, name)) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------- schedules
+@pytest.mark.parametrize("name", sorted(n for n, c in TRACES.items() if c["type"] and not c["error"]))
+def test_schedule_equals_deepspeeds_at_every_recorded_step(name):
+    """Every recorded optimizer step (dense from 0, and around warmup_num_steps / total_num_steps) runs at
+    DeepSpeed's lr. The schedules run in float32, DeepSpeed in float64: a few float32 roundings (2^-24 each)
+    separate them, so 2e-6 relative is a 10x margin."""
+    case = TRACES[name]
+    ds = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": case["optimizer_lr"]}},
+          "scheduler": {"type": case["type"], "params": case["params"]}}
+    schedule = from_deepspeed(ds, world_size=8).schedule
+    ours = np.asarray(jax.jit(jax.vmap(schedule))(jnp.asarray(case["counts"])), np.float64)
+    np.testing.assert_allclose(ours, case["lrs"], rtol=2e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in TRACES.items() if c["error"]))
+def test_scheduler_params_deepspeed_refuses_are_refused(name):
+    case = TRACES[name]
+    ds = {"train_batch_size": 8, "scheduler": {"type": case["type"], "params": case["params"]}}
+    with pytest.raises(ConfigError) as error:
+        from_deepspeed(ds, world_size=8, learning_rate=case["optimizer_lr"])
+    assert error.value.key.startswith("scheduler.params.")
+
+
+# ------------------------------------------------------------------------ real configs train the tiny GPT
+def _client(lr):
+    """The optimizer a DeepSpeed user passes to deepspeed.initialize when the JSON has no optimizer block
+    (Megatron's Adam); inject_hyperparams exposes the lr it used."""
+    return lambda schedule: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=schedule if schedule is not None else lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def _onebit_in_bf16(ds):
+    # zeroflax refuses 1-bit Adam under fp16 (an overflow would have to roll back the error buffers, engine.py);
+    # every real 1-bit Adam config is fp16, so this one is the real file with fp16 switched to bf16.
+    ds = copy.deepcopy(ds)
+    ds["fp16"]["enabled"] = False
+    ds["bf16"] = {"enabled": True}
+    return ds
+
+
+HF_AUTO = TRACES["hf_tensor_parallel.json"]["auto"]  # the keyword values the trace was recorded with
+# (file, world_size, (train_batch_size, micro, accumulation) by DeepSpeed's rule from the file, edit, kwargs)
+REAL = [
+    # train_batch_size 4, accumulation 1, 4 GPUs -> micro 1; no optimizer block: a client AdamW
+    ("megatron_gpt2_func_scheduler.json", 4, (4, 1, 1), None, dict(default_optimizer=_client(None))),
+    # micro 1, accumulation 1, 8 GPUs -> 8
+    ("sdma_allgather_zero3.json", 8, (8, 1, 1), None, {}),
+    # train_batch_size 8, accumulation 1, 8 GPUs -> micro 1; deprecated cpu_offload; client optimizer, constant lr
+    ("megatron_gpt2_func_bs8_zero2_offload.json", 8, (8, 1, 1), None, dict(default_optimizer=_client(2e-3))),
+    # train_batch_size 24, micro 3, 8 GPUs -> accumulation 1
+    ("bing_bert_squad_bsz24_fp16.json", 8, (24, 3, 1), None, {}),
+    # train_batch_size 96, micro 3, 8 GPUs -> accumulation 4
+    ("bing_bert_squad_onebitadam_bsz96_nccl.json", 8, (96, 3, 4), _onebit_in_bf16, {}),
+    # every batch key "auto": micro and accumulation from the base Config (1, 1), 2 data x 4 tensor devices -> 2
+    ("hf_tensor_parallel.json", 2, (2, 1, 1), None, dict(
+        base=zeroflax.Config(precision="bf16", grad_clip=0.5), learning_rate=HF_AUTO["warmup_max_lr"],
+        warmup_steps=HF_AUTO["warmup_num_steps"], total_steps=HF_AUTO["total_num_steps"], betas=(0.9, 0.95),
+        eps=1e-6, weight_decay=0.1)),
+]
+
+
+def _lr_used(imported, opt_state, count):
+    """The lr the update just applied used: inject_hyperparams records it; 1-bit Adam evaluates its
+    schedule at the count before the update (optim/onebit.py)."""
+    if hasattr(opt_state, "hyperparams"):
+        return float(opt_state.hyperparams["learning_rate"])
+    assert int(opt_state.count) == count + 1
+    lr = imported.optimizer.settings.learning_rate
+    return float(lr(count) if callable(lr) else lr)
+
+
+def _adam_direction(before, after, lr, weight_decay):
+    """Median over parameters of |update| / lr with the decoupled weight decay taken out."""
+    ratios = [np.abs(np.asarray(a, np.float64) - b + lr * weight_decay * b).ravel() / lr
+              for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))]
+    ratios = np.concatenate(ratios)
+    return float(np.median(ratios[ratios > 0]))
+
+
+@pytest.mark.parametrize("name,world,batch,edit,kwargs", REAL, ids=[r[0] for r in REAL])
+def test_real_config_trains_with_deepspeeds_hyper_parameters(name, world, batch, edit, kwargs, params):
+    ds = load(name) if edit is None else edit(load(name))
+    imported = from_deepspeed(ds, world_size=world, **kwargs)
+    config, optimizer = imported
+    auto = ds.get("gradient_clipping") == "auto"
+
+    # What the JSON says (DeepSpeed's defaults where it is silent; "auto" as resolved by the keywords).
+    zero = ds.get("zero_optimization", {})
+    assert config.zero_stage == zero.get("stage", 0)
+    fp16, bf16 = ds.get("fp16", {}).get("enabled"), ds.get("bf16", {}).get("enabled")
+    assert config.precision == ("fp16" if fp16 is True else "bf16" if bf16 in (True, "auto") else "fp32")
+    assert config.grad_clip == (kwargs["base"].grad_clip if auto else ds.get("gradient_clipping", DS_CLIP))
+    assert (config.train_batch_size, config.micro_batch_size, config.grad_accum_steps) == batch
+    assert imported.data_parallel_size == world
+    if config.precision == "fp16":
+        block = ds["fp16"]
+        for key in ("loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
+            if key in block:
+                assert getattr(config.loss_scale, key) == block[key], key
+        assert config.loss_scale.initial_scale_power == block.get("initial_scale_power", DS_SCALE_POWER)
+    assert config.offload_optimizer.enabled == bool(zero.get("cpu_offload") or zero.get("offload_optimizer"))
+    assert imported.remat == ("full" if "activation_checkpointing" in ds else None)  # None: Config.remat as is
+    if "tensor_parallel" in ds:
+        assert config.mesh.axes == {"data": world, "tensor": ds["tensor_parallel"]["autotp_size"]}
+
+    given = ds.get("optimizer", {}).get("params", {})
+    resolved = {"lr": kwargs.get("learning_rate"), "betas": kwargs.get("betas"), "eps": kwargs.get("eps"),
+                "weight_decay": kwargs.get("weight_decay")}
+    expect = {k: resolved[k] if given.get(k) == "auto" else given.get(k) for k in resolved}
+    b1, b2 = expect["betas"] or DS_BETAS
+    eps, weight_decay = expect["eps"] or DS_EPS, expect["weight_decay"] or DS_WEIGHT_DECAY
+    if "optimizer" not in ds:  # the client optimizer's (see _client)
+        b1, b2, eps, weight_decay = 0.9, 0.999, 1e-8, 0.01
+    trace = TRACES.get(name)
+    if trace is not None and trace["type"] is not None:
+        expected_lrs = trace["lrs"]
+    else:  # no scheduler: DeepSpeed leaves the optimizer's lr alone
+        expected_lrs = [given.get("lr", 2e-3)] * STEPS
+
+    model = GPT(imported.model_config(MODEL))
+    tokens = np.random.default_rng(0).integers(0, MODEL.vocab_size, (config.train_batch_size, MODEL.max_len + 1))
+    batch_ = {"tokens": tokens.astype(np.int32)}
+    engine, state = zeroflax.initialize(
+        next_token_loss(model), params, optimizer, config, devices=jax.devices()[:imported.num_devices])
+    assert engine.train_batch_size == config.train_batch_size
+    applied, checked_direction = 0, False
+    for _ in range(STEPS):
+        before = jax.device_get(state.params)
+        state, metrics = engine.step(state, batch_)
+        if bool(metrics["skipped"]):  # fp16 overflow: DeepSpeed does not step its scheduler either
+            continue
+        lr = _lr_used(imported, state.opt_state, applied)
+        np.testing.assert_allclose(lr, expected_lrs[applied], rtol=2e-6, atol=1e-12)
+        applied += 1
+        hyper = getattr(state.opt_state, "hyperparams", None)
+        if hyper is not None:
+            for key, value in (("b1", b1), ("b2", b2), ("eps", eps), ("weight_decay", weight_decay)):
+                np.testing.assert_allclose(float(hyper[key]), value, rtol=1e-6, err_msg=key)
+        else:
+            settings = optimizer.settings
+            assert (settings.b1, settings.b2, settings.eps, settings.weight_decay) == (b1, b2, eps, weight_decay)
+            assert settings.freeze_step == given["freeze_step"]
+        if lr > 0 and not checked_direction:
+            # Every earlier update had lr 0, so the gradient was the same at each: Adam's bias-corrected
+            # direction m/sqrt(v) is then sign(g) (ratio 1); without bias correction (BingBertSquad's
+            # bias_correction false, and 1-bit Adam) it is (1 - b1^c) / sqrt(1 - b2^c).
+            corrected = given.get("bias_correction", True) and "onebit" not in name
+            expected = 1.0 if corrected else (1 - b1 ** applied) / math.sqrt(1 - b2 ** applied)
+            ratio = _adam_direction(before, jax.device_get(state.params), lr, weight_decay)
+            assert abs(ratio - expected) < 0.01 * expected, (ratio, expected)
+            checked_direction = True
+    assert applied >= 2 and checked_direction
+
+
+# -------------------------------------------------------------------------------------- the other mappings
+def test_real_sparse_attention_block_maps_to_deepspeeds_layout_class():
+    """bing_bert's Lamb config (Lamb itself is refused) has a 'fixed' sparse_attention block: the same class
+    and arguments; missing keys take DeepSpeed's reader defaults (BigBird's num_random_blocks 0, not the
+    class's 1)."""
+    block = load("bing_bert_lamb_bsz64k_seq128.json")["sparse_attention"]
+    imported = from_deepspeed({"train_batch_size": 8, "sparse_attention": block}, world_size=8)
+    sparsity = imported.sparsity(num_heads=16)
+    assert type(sparsity).__name__ == "FixedSparsityConfig"
+    for key, value in block.items():
+        if key != "mode":
+            assert getattr(sparsity, key) == value, key
+    bigbird = from_deepspeed({"train_batch_size": 8, "sparse_attention": {"mode": "bigbird", "block": 8}}, world_size=8)
+    assert (type(bigbird.sparsity(4)).__name__, bigbird.sparsity(4).num_random_blocks, bigbird.sparsity(4).block) == (
+        "BigBirdSparsityConfig", 0, 8)
+    gpt = bigbird.model_config(MODEL)
+    assert gpt.attention == "sparse" and gpt.sparsity.num_heads == MODEL.num_heads
+
+
+def test_adam_modes_and_torch_defaults():
+    """'Adam' is AdamW unless adam_w_mode is false (then L2 weight decay); torch_adam's AdamW defaults its
+    weight decay to torch's 0.01 (deepspeed/runtime/engine.py, _configure_basic_optimizer)."""
+    def hyper(params, kind="Adam"):
+        ds = {"train_batch_size": 8, "optimizer": {"type": kind, "params": params}}
+        return from_deepspeed(ds, world_size=8).hyperparameters
+    assert hyper({})["decoupled"] and hyper({}, "adamw")["decoupled"]
+    assert not hyper({"adam_w_mode": False, "weight_decay": 0.1})["decoupled"]
+    assert hyper({"adam_w_mode": False}, "AdamW")["decoupled"]  # AdamW is always decoupled
+    assert hyper({"torch_adam": True})["weight_decay"] == 0.01
+    assert hyper({"torch_adam": True, "adam_w_mode": False})["weight_decay"] == 0.0
+
+
+def test_moot_keys_become_notes_and_docs_show_the_tables():
+    imported = from_deepspeed(os.path.join(CONFIGS, "sdma_allgather_zero3.json"), world_size=8)
+    for key in ("overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients"):
+        assert any(note.startswith(f"zero_optimization.{key}: accepted") for note in imported.notes), key
+    with open(os.path.join(ROOT, "docs", "from_deepspeed.md")) as f:
+        assert render_markdown() in f.read()  # regenerate with: python -c "...render_markdown()"
+
+
+def test_auto_resolution_and_gin_bindings():
+    hf = load("hf_tensor_parallel.json")
+    with pytest.raises(ConfigError) as error:  # nothing to resolve "auto" from
+        from_deepspeed(hf, world_size=2, base=zeroflax.Config(precision="bf16"))
+    assert error.value.key == "optimizer.params.lr"
+    # Gin's bindings fill what the JSON leaves out (the ZeRO-3 sizes here) and may not contradict what it writes.
+    ds = load("torch_compile_z3.json")
+    bound = {"Config.persistence_threshold": 0, "Config.max_live_parameters": 0}
+    config = from_deepspeed(ds, world_size=8, bound=bound).config
+    assert (config.persistence_threshold, config.max_live_parameters, config.zero_stage) == (0, 0, 3)
+    with pytest.raises(ConfigError) as error:
+        from_deepspeed(ds, world_size=8, bound={"Config.zero_stage": 2})
+    assert error.value.key == "zero_optimization.stage" and "Config.zero_stage" in str(error.value)
+    # The main job's rule: a JSON sparse_attention block and gin's GPTConfig.sparsity are refused together.
+    with pytest.raises(ConfigError) as error:
+        deepspeed_job({"train_batch_size": 8, "sparse_attention": {"mode": "dense"}}, TrainConfig(),
+                      zeroflax.Config(), MODEL, bound={"GPTConfig.sparsity": None})
+    assert error.value.key == "sparse_attention"
+
+
+# --------------------------------------------------------------------------------------- one-line errors
+def _with(name, edit):
+    ds = load(name)
+    edit(ds)
+    return ds
+
+
+BAD = [  # (JSON path of the error, config, keywords)
+    ("zero_optimization.stage3_prefetch_bucket_sise",
+     _with("sdma_allgather_zero3.json", lambda d: d["zero_optimization"].update(stage3_prefetch_bucket_sise=5)), {}),
+    ("gradient_clip", {"train_batch_size": 8, "gradient_clip": 1.0}, {}),
+    ("zero_optimization.stage", {"train_batch_size": 8, "zero_optimization": {"stage": 4}}, {}),
+    ("zero_optimization.stage", {"train_batch_size": 8, "zero_optimization": {"stage": "two"}}, {}),
+    ("bf16.enabled", {"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}),
+    ("train_batch_size", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 3,
+                          "gradient_accumulation_steps": 1}, {}),
+    ("train_micro_batch_size_per_gpu", load("megatron_gpt2_func_scheduler.json"), {}),  # 4 over 8 devices
+    ("train_batch_size", {"gradient_accumulation_steps": 2}, {}),
+    ("train_batch_size", load("autotuning_template_zero3.json"), {}),  # a template without batch keys
+    ("optimizer.type", load("bing_bert_lamb_bsz64k_seq128.json"), {}),
+    ("optimizer.type", {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, {}),
+    ("scheduler.type", {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {
+        "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}}, {}),
+    ("scheduler.type", {"train_batch_size": 8, "scheduler": {"type": "StepLR", "params": {}}}, {}),
+    ("zero_optimization.offload_optimizer.device", {"train_batch_size": 8, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}, {}),
+    ("zero_optimization.offload_param.device", load("sglang_offload_cpu.json"), dict(world_size=1)),
+    ("optimizer.params.max_grad_norm", {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {
+        "lr": 1e-3, "max_grad_norm": 1.0}}}, {}),
+    ("optimizer.params.betas", {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {
+        "betas": [0.9]}}}, {}),
+    ("scheduler.params.warmup_type", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_max_lr": 1e-3, "warmup_type": "exp"}}}, {}),
+    ("scheduler.params.warmup_max_lr", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {}}}, {}),
+    ("torch_autocast", load("bf16_master_weight_full.json"), {}),
+    ("fp16.enabled", load("bing_bert_squad_onebitadam_bsz96_nccl.json"), {}),
+    ("zero_optimization.zero_quantized_gradients", {"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "zero_quantized_gradients": True}}, {}),
+    ("zero_optimization.zero_quantized_weights", {"train_batch_size": 8, "zero_optimization": {
+        "stage": 2, "zero_quantized_weights": True}}, {}),
+    ("sparse_attention.mode", {"train_batch_size": 8, "sparse_attention": {"mode": "strided"}}, {}),
+    ("sparse_attention.num_local_blocks", {"train_batch_size": 8, "sparse_attention": {
+        "mode": "fixed", "num_local_blocks": 4, "num_global_blocks": 3}}, {}),
+    ("sparse_attention.horizontal_global_attention", {"train_batch_size": 8, "sparse_attention": {
+        "mode": "variable", "attention": "unidirectional", "horizontal_global_attention": True}}, {}),
+    ("sparse_attention.num_sliding_window_block", {"train_batch_size": 8, "sparse_attention": {
+        "mode": "bigbird", "num_sliding_window_block": 3}}, {}),
+    ("gradient_clipping", {"train_batch_size": 8, "gradient_clipping": -1.0}, {}),
+    ("activation_checkpointing.cpu_checkpointing", {"train_batch_size": 8, "activation_checkpointing": {
+        "partition_activations": True, "cpu_checkpointing": True}}, {}),
+    ("scheduler.params.warmup_max_lr", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_max_lr": [1e-3, 2e-3]}}}, {}),
+    ("scheduler.params.last_batch_iteration", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_max_lr": 1e-3, "last_batch_iteration": 99}}}, {}),
+    ("optimizer.params.lr", load("hf_tensor_parallel.json"), dict(world_size=2, base=zeroflax.Config(
+        precision="bf16"))),
+]
+
+
+@pytest.mark.parametrize("path,ds,kwargs", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+def test_bad_config_is_one_line_error_keyed_by_its_json_path(path, ds, kwargs):
+    kwargs = {"world_size": 8, **kwargs}
+    with pytest.raises(ConfigError) as error:
+        from_deepspeed(ds, **kwargs)
+    message = str(error.value)
+    assert error.value.key == path and message.startswith(path + ": ") and "\n" not in message, message
+
+
+def test_unknown_key_names_the_nearest_known_key(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(BAD[0][1]))
+    with pytest.raises(ConfigError, match=r"nearest known key is zero_optimization\.stage3_prefetch_bucket_size"):
+        from_deepspeed(str(path), world_size=8)
+
+
+# --------------------------------------------------------------------------------------------- the CLI
+def test_cli_trains_with_a_deepspeed_config(tmp_path):
+    """`zeroflax train --deepspeed_config`: Megatron's scheduler test config (fp16, ZeRO-2, WarmupLR, batch 4)
+    on 4 devices; TrainConfig's AdamW is the client optimizer and every step's lr is DeepSpeed's."""
+    name = "megatron_gpt2_func_scheduler.json"
+    workdir = tmp_path / "run"
+    bindings = {"GPTConfig.num_layers": 1, "GPTConfig.d_model": 16, "GPTConfig.num_heads": 2,
+                "GPTConfig.max_len": 8, "TrainConfig.seq_len": 8, "TrainConfig.steps": STEPS,
+                "TrainConfig.warmup_steps": 1, "TrainConfig.log_every": 1, "TrainConfig.eval_batches": 1,
+                "TrainConfig.checkpoint_every": STEPS, "TrainConfig.sample_length": 0,
+                "TrainConfig.tensorboard": False, "TrainConfig.workdir": repr(str(workdir))}
+    args = [a for k, v in bindings.items() for a in ("--gin_param", f"{k} = {v}")]
+    result = run_cli("train", *args, "--cpu_devices", "4", "--no_progress", "--deepspeed_config",
+                     os.path.join(CONFIGS, name))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ZeRO stage 2, fp16" in result.stdout and "4 x 8 tokens per step" in result.stdout
+    assert "zero_optimization.reduce_bucket_size: accepted" not in result.stdout  # this file has none
+    with open(workdir / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if '"loss"' in line]
+    lrs, applied = TRACES[name]["lrs"], 0
+    for row in rows:
+        np.testing.assert_allclose(row["lr"], lrs[applied], rtol=2e-6, atol=1e-12)
+        applied += not row["skipped"]
+    assert len(rows) == STEPS
