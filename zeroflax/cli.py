@@ -1,9 +1,12 @@
-"""`zeroflax` command line: train (gin-configured), generate, launch.
+"""`zeroflax` command line: train (gin-configured, or from a DeepSpeed JSON), generate, launch, estimate, plan.
 
     zeroflax train --gin_file experiments/gpt_tiny_zero3.gin --gin_param 'Config.zero_stage = 2'
     zeroflax train --gin_file experiments/gpt_tiny_zero3.gin --resume
     zeroflax generate --checkpoint runs/gpt_tiny --prompt "The "
     zeroflax launch --nproc 2 -- zeroflax train --gin_file experiments/gpt_tiny_zero3.gin
+    zeroflax train --deepspeed_config ds_config.json --gin_param 'TrainConfig.steps = 600'
+    zeroflax estimate --params 1.3e9 --devices 8          # DeepSpeed's estimator beside zeroflax's
+    zeroflax plan --devices 8 --device-memory 16MiB --gin_file experiments/gpt_tiny_zero3.gin --out plan.gin
 
 Errors in the user's input (config, gin, data, checkpoints, mesh) print one line and exit with 2.
 """
@@ -15,6 +18,7 @@ import socket
 import subprocess
 import sys
 
+from zeroflax import estimate, plan
 from zeroflax.distributed import DEVICES_ENV, launch_env
 
 EXIT_USAGE = 2
@@ -51,9 +55,15 @@ def cmd_train(args) -> int:
     maybe_initialize()
     from zeroflax.config import Config
     from zeroflax.models.gpt import GPTConfig
-    from zeroflax.train import TrainConfig, train
-    train(TrainConfig(), Config(), GPTConfig(), resume=args.resume, stop_at=args.stop_at,
-          progress=not args.no_progress)
+    from zeroflax.train import TrainConfig, deepspeed_job, train
+    tc, config, model_config, imported = TrainConfig(), Config(), GPTConfig(), {}
+    if args.deepspeed_config:  # docs/from_deepspeed.md: gin keeps what the JSON leaves; conflicts are errors
+        from zeroflax.deepspeed_config import gin_bound
+        job = deepspeed_job(args.deepspeed_config, tc, config, model_config, gin_bound())
+        config, model_config = job.config, job.model_config
+        imported = {"optimizer": job.optimizer, "schedule": job.schedule}
+    train(tc, config, model_config, resume=args.resume, stop_at=args.stop_at, progress=not args.no_progress,
+          **imported)
     return 0
 
 
@@ -109,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--stop_at", type=int, default=None, help="stop (with a checkpoint) after this step")
     train.add_argument("--cpu_devices", type=int, default=8, help="simulated CPU devices per process (default 8)")
     train.add_argument("--no_progress", action="store_true", help="no progress bar")
+    train.add_argument("--deepspeed_config", default=None,
+                       help="a DeepSpeed JSON config: ZeRO, precision, batch, optimizer and LR schedule")
     train.set_defaults(run=cmd_train)
 
     gen = sub.add_parser("generate", help="sample text from a checkpoint on one CPU device")
@@ -127,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--port", type=int, default=None)
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(run=cmd_launch)
+    estimate.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

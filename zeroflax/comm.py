@@ -163,17 +163,9 @@ def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return body, entry
 
 
-def parse_collectives(hlo_text: str, num_devices: int, mesh_shape: dict | None = None,
-                      weights: dict | None = None) -> tuple[list[Collective], bool]:
-    """All collectives in an HLO module with their per-step bytes; second value: any unknown trip count.
-
-    `weights` maps a named scope (found in an instruction's op_name metadata) to the share of its
-    loop's iterations in which the region runs: a pipeline tick's branches run as often as the schedule
-    says, not at every tick. `mesh_shape` names the axes each collective spans."""
-    weights = weights or {}
-    body, entry = split_computations(hlo_text)
-
-    # How many times each computation runs per step: the sum over its call sites.
+def computation_multipliers(body: dict, entry: str) -> tuple[dict, bool]:
+    """({computation: how many times it runs per step}, whether a loop without a known trip count was
+    met (counted once)): the sum over its call sites, loop bodies times their trip counts."""
     multiplier: dict[str, int] = collections.defaultdict(int)
     unknown_trip = False
 
@@ -203,6 +195,31 @@ def parse_collectives(hlo_text: str, num_devices: int, mesh_shape: dict | None =
                 visit(callee, times * (trip if role == "body" else 1), depth + 1)
 
     visit(entry, 1)
+    return multiplier, unknown_trip
+
+
+def scope_weight(attrs: str, weights: dict) -> float:
+    """The share of its loop's iterations in which an instruction runs: the weight of the innermost
+    named scope of `weights` in its op_name metadata (pipeline tick branches), else 1."""
+    op_name = _OP_NAME.search(attrs)
+    if op_name and weights:
+        # The innermost scope wins: the scopes nest in the order the op name lists them.
+        scoped = [(op_name.group(1).rfind(scope), w) for scope, w in weights.items() if scope in op_name.group(1)]
+        if scoped:
+            return max(scoped)[1]
+    return 1
+
+
+def parse_collectives(hlo_text: str, num_devices: int, mesh_shape: dict | None = None,
+                      weights: dict | None = None) -> tuple[list[Collective], bool]:
+    """All collectives in an HLO module with their per-step bytes; second value: any unknown trip count.
+
+    `weights` maps a named scope (found in an instruction's op_name metadata) to the share of its
+    loop's iterations in which the region runs: a pipeline tick's branches run as often as the schedule
+    says, not at every tick. `mesh_shape` names the axes each collective spans."""
+    weights = weights or {}
+    body, entry = split_computations(hlo_text)
+    multiplier, unknown_trip = computation_multipliers(body, entry)
     collectives = []
     for name, times in multiplier.items():
         for line in body[name]:
@@ -219,14 +236,7 @@ def parse_collectives(hlo_text: str, num_devices: int, mesh_shape: dict | None =
             result_bytes = sizes[-1] if opcode.endswith("-start") else sum(sizes)
             dtype = (dtypes[-1] if opcode.endswith("-start") else "/".join(sorted(set(dtypes)))) if dtypes else "?"
             group = len(_first_group(rest, num_devices))
-            count = times
-            op_name = _OP_NAME.search(rest)
-            if op_name:
-                # The innermost scope wins: the scopes nest in the order the op name lists them.
-                scoped = [(op_name.group(1).rfind(scope), w) for scope, w in weights.items()
-                          if scope in op_name.group(1)]
-                if scoped:
-                    count = times * max(scoped)[1]
+            count = times * scope_weight(rest, weights)
             pairs = _pairs(rest) if kind == "collective-permute" else []
             ids = sorted({i for pair in pairs[:1] for i in pair}) if pairs else _first_group(rest, num_devices)
             axes = mesh_axes_of(ids, mesh_shape) if mesh_shape else ()

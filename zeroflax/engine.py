@@ -118,6 +118,7 @@ class Engine:
         self.train_batch_size = train_batch_size
         self.abstract_params = abstract_params
         self.has_model_state = abstract_model_state is not None
+        self.abstract_model_state = abstract_model_state
         # Filled in when the step is first traced: what the probe found (which ZeRO-3 leaves the loss
         # gathers itself) and what the real trace did (groups, regions); see `gather_usage`.
         self._probe_usage: GatherUsage | None = None
@@ -458,6 +459,23 @@ class Engine:
         with its offload compute copy made from its master weights."""
         return self.with_compute_copy(self._reordered("state", state, False))
 
+    def abstract_state(self) -> TrainState:
+        """The initial TrainState as ShapeDtypeStructs with their shardings: what `compile` needs to
+        compile the step without creating a state (zeroflax plan compiles configurations it never runs)."""
+        config = self.config
+        params = self.abstract_params
+        state = TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+            opt_state=jax.eval_shape(self.optimizer.init, params),
+            loss_scale=jax.eval_shape(lambda: init_loss_scale(config.loss_scale, config.precision == "fp16")),
+            rng=jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(config.seed))[1]),
+            model_state=self.abstract_model_state,
+            compute_params=jax.eval_shape(self.offload.compute_copy, params) if self.offload is not None else None,
+            pending_grads=params if config.offload_optimizer.delayed_update else None,
+            sync_state=jax.eval_shape(self.onebit.init_state) if self.onebit is not None else None)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), state,
+                            self.state_shardings)
+
     def with_compute_copy(self, state: TrainState) -> TrainState:
         """Under offload, `state` with the device's compute copy made from its master weights (after a
         restore, or a change to `state.params`); `state` itself otherwise."""
@@ -711,7 +729,7 @@ def _split_variables(tree, collections: tuple):
 
 def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformation, config: Config, *,
                sample_batch=None, logical_axes=None, devices=None, rng=None,
-               model_state: tuple[str, ...] = ()) -> tuple[Engine, TrainState]:
+               model_state: tuple[str, ...] = (), abstract: bool = False) -> tuple[Engine, TrainState]:
     """Build the engine and the initial, already partitioned, train state.
 
     loss_fn(params, batch, rng) -> loss or (loss, aux): mean loss over `batch` (one micro-batch).
@@ -726,6 +744,8 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
     model_state: names of Flax collections besides 'params' that the loss reads and updates (e.g.
         ('batch_stats',)); `params` is then the whole variables dict. The state is replicated, averaged
         over the data axis after every step, checkpointed with the rest, and kept in TrainState.model_state.
+    abstract: return the state as ShapeDtypeStructs (`Engine.abstract_state`); nothing is initialised
+        or allocated, and `engine.compile(state, batch)` compiles the step (compile-only planning).
     """
     if not isinstance(config, Config):
         raise ConfigError("config", f"expected zeroflax.Config, got {type(config).__name__}")
@@ -751,6 +771,8 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
     plan = make_plan(optimizer, abstract_params, names, mesh, config)
     engine = Engine(loss_fn, optimizer, config, plan, abstract_params, train_batch_size,
                     abstract_model_state=unbox(abstract_state)[0] if collections else None)
+    if abstract:
+        return engine, engine.abstract_state()
 
     state_sharding = engine.state_shardings.model_state
     if callable(params):

@@ -1,0 +1,183 @@
+"""The cost model of `zeroflax plan`: predicted step time from bytes and FLOPs (docs/plan.md).
+
+    time = collective bytes per device / bandwidth
+         + host<->device bytes per device / host_bandwidth
+         + FLOPs per device / flops            (forward + backward + recomputation)
+         + pipeline bubble: the compute term x (S - 1) / M with S stages and M micro-batches
+
+Each term has two sources:
+  - compiled: `measure(compiled, ...)`: collective bytes from the compiled HLO (`comm.parse_collectives`,
+    loop trip counts and pipeline tick weights applied), FLOPs of every dot in the compiled HLO times the
+    trip counts of the loops around it (`hlo_dot_flops`; `compiled.cost_analysis()` counts a loop body
+    once, so it is not used), host transfers from the step's jaxpr (`comm.host_transfers`: XLA:CPU
+    compiles them away);
+  - analytic: `gpt_bound(...)`, a lower bound for a candidate not compiled: ZeRO's collectives leaf by
+    leaf as the engine issues them (sharding/grad_sync.py, the ZeRO-3 gathers), Megatron's all-reduces
+    over `tensor`, the stage sends over `pipe`, offload's transfers, and the matmul FLOPs of the GPT
+    (elementwise work and recomputation the bound is not sure of are left out, so it stays below).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from zeroflax.comm import computation_multipliers, megatron_all_reduces, scope_weight, split_computations
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+?)\s+([\w\-]+)\((.*)$")
+_SHAPE = re.compile(r"^[a-z][a-z0-9]*\[([0-9,]*)\]")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def _dims(type_text: str) -> list[int]:
+    found = _SHAPE.match(type_text)
+    return [int(d) for d in found.group(1).split(",") if d] if found else []
+
+
+def hlo_dot_flops(hlo_text: str, weights: dict | None = None) -> tuple[float, bool]:
+    """(FLOPs of the dots of a compiled HLO module per step, whether a loop had no known trip count):
+    2 x result elements x contracted elements per dot, times the runs of its computation (loop trip
+    counts; `weights` as for comm.parse_collectives: pipeline tick branches)."""
+    body, entry = split_computations(hlo_text)
+    multiplier, unknown = computation_multipliers(body, entry)
+    types = {}
+    for lines in body.values():
+        for line in lines:
+            found = _DEF.match(line)
+            if found:
+                types[found.group(1)] = found.group(2)
+    total = 0.0
+    for name, times in multiplier.items():
+        for line in body[name]:
+            found = _DEF.match(line)
+            if not found or found.group(3) != "dot":
+                continue
+            result, rest = found.group(2), found.group(4)
+            lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+            contracting = _CONTRACTING.search(rest)
+            lhs_dims = _dims(types.get(lhs, ""))
+            if contracting is None or not lhs_dims:
+                continue
+            inner = math.prod(lhs_dims[int(d)] for d in contracting.group(1).split(",") if d)
+            total += times * scope_weight(rest, weights or {}) * 2 * math.prod(_dims(result)) * inner
+    return total, unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    bandwidth: float  # collective bytes per second per device
+    host_bandwidth: float  # host<->device bytes per second per device
+    flops: float  # FLOP per second per device
+
+
+@dataclasses.dataclass
+class Cost:
+    comm: float  # collective bytes per device per step
+    host: float  # host<->device bytes per device per step
+    flops: float  # FLOPs per device per step
+    bubble: float = 0.0  # idle share factor: (S - 1) / M under a pipeline, else 0
+    source: str = "analytic"
+
+    def seconds(self, rates: Rates) -> float:
+        compute = self.flops / rates.flops
+        return self.comm / rates.bandwidth + self.host / rates.host_bandwidth + compute * (1 + self.bubble)
+
+    def parts(self, rates: Rates) -> dict:
+        return dict(comm_s=self.comm / rates.bandwidth, host_s=self.host / rates.host_bandwidth,
+                    compute_s=self.flops / rates.flops, bubble_s=self.flops / rates.flops * self.bubble)
+
+
+# ------------------------------------------------------------------------------------ analytic bound
+def gpt_matmul_flops(gpt, seq: int, tokens: float, remat: str, pipe: int = 1) -> float:
+    """Matmul FLOPs of forward + backward (+ the recomputation the policy surely does) for `tokens` tokens.
+
+    Forward: 2 x tokens x (per layer 3d^2 + d^2 + 2 d f, and the head d V) plus the attention's two
+    einsums, 4 x tokens x seq x d per layer (dense attention only; a sparse layout does less, so none is
+    counted). The backward pass is twice the forward. Recomputed in the backward pass: the attention
+    einsums under 'dots_no_batch' (they have batch dimensions); under 'full' the layers' forward, of
+    which the compiled step skips the last layer's (measured), so L - 1 layers are counted, and under a
+    pipeline of S stages L - S (each stage's scan skips its last). A pipeline's backward tick also
+    recomputes its stage's forward; that is not counted."""
+    d, f, layers = gpt.d_model, gpt.ff, gpt.num_layers
+    matmul = 2 * tokens * (layers * (4 * d * d + 2 * d * f) + d * gpt.vocab_size)
+    attention = layers * 4 * tokens * seq * d if gpt.attention in ("dense", "dot_product") else 0.0
+    forward = matmul + attention
+    recompute = 0.0
+    if remat == "full":
+        per_layer = (2 * tokens * (4 * d * d + 2 * d * f) + attention / layers)
+        recompute = max(layers - pipe, 0) * per_layer
+    elif remat in ("dots_no_batch", "offload_dots_no_batch"):
+        recompute = attention
+    return 3 * forward + recompute
+
+
+def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: int, accum: int, seq: int,
+              global_batch: int) -> Cost:
+    """A lower bound of the compiled step's cost per device (module docstring), from the placement
+    (`estimate._placements`) and the GPT's shapes."""
+    from zeroflax.config import DEFAULT_LOGICAL_RULES
+    from zeroflax.estimate import MASTER_BYTES, PRECISION_BYTES, _placements
+
+    gpt = spec.gpt
+    mesh = setup.mesh
+    n, tensor, pipe = mesh["data"], mesh.get("tensor", 1), mesh.get("pipe", 1)
+    compute = PRECISION_BYTES[setup.precision]
+    share = (n - 1) / n
+    optimizer_off = offload != "none"
+    param_off = offload == "optimizer+param"
+    comm = 0.0
+    grads_to_host = copy_elements = streamed = 0.0
+    for leaf, local, partitioned in _placements(spec, setup):
+        if not partitioned:  # replicated over data: its gradient is all-reduced once per step
+            comm += 2 * MASTER_BYTES * local * share
+        elif stage == 0:
+            comm += 2 * MASTER_BYTES * local * share
+        elif stage in (1, 2):  # reduce-scatter(s), then the updated parameters all-gathered
+            scatters = accum if stage == 2 else 1
+            comm += (scatters * MASTER_BYTES + (compute if optimizer_off else MASTER_BYTES)) * local * share
+        else:
+            # Per micro-batch: a stacked layer is gathered for the forward and again for the backward; a
+            # leaf the model owns directly (the embeddings) may be gathered once and kept (README), so
+            # the bound counts one gather for it; the gradient is reduce-scattered.
+            gathers = 2 if leaf.stacked else 1
+            comm += accum * (gathers * compute + MASTER_BYTES) * local * share
+        shard = local / n if partitioned else local
+        grads_to_host += MASTER_BYTES * shard
+        if param_off and partitioned:
+            streamed += shard * (2 if leaf.stacked else 1)  # streamed where it is gathered
+        else:
+            copy_elements += shard  # the new compute copy comes back as shards (all-gathered on the device)
+    host = 0.0
+    if optimizer_off:  # the update on the host: gradients down, the compute copy up, streamed shards
+        host = grads_to_host + compute * copy_elements + accum * MASTER_BYTES * streamed
+    activation = micro_batch * seq * gpt.d_model * compute  # one micro-batch's residual stream on one device
+    if tensor > 1:
+        vocab_parallel = dict(setup.logical_rules or DEFAULT_LOGICAL_RULES).get("vocab") == "tensor"
+        count = megatron_all_reduces(gpt.num_layers, pipe, 1, accum, remat, vocab_parallel)
+        comm += count * 2 * activation * (tensor - 1) / tensor
+    bubble = 0.0
+    if pipe > 1:
+        # Every micro-batch's activation crosses each of the S - 1 boundaries forward and its cotangent
+        # backward: 2 M (S - 1) sends, spread over the S devices of the pipe.
+        comm += 2 * accum * (pipe - 1) * activation / pipe
+        bubble = (pipe - 1) / accum
+    tokens = global_batch * seq / n
+    flops = gpt_matmul_flops(gpt, seq, tokens, remat, pipe) / (tensor * pipe)
+    return Cost(comm, host, flops, bubble, "analytic")
+
+
+# ------------------------------------------------------------------------------------ compiled
+def measure(engine, compiled, jaxpr=None) -> Cost:
+    """The cost of a compiled step, read from the program (module docstring)."""
+    from zeroflax.comm import host_transfers, parse_collectives
+
+    tables = engine.pipeline_tables()
+    weights = tables.tick_weights() if tables is not None else None
+    text = compiled.as_text()
+    collectives, _ = parse_collectives(text, engine.mesh.size, dict(engine.mesh.shape), weights)
+    flops, _ = hlo_dot_flops(text, weights)
+    host = sum(host_transfers(jaxpr)) if jaxpr is not None and engine.plan.offload else 0.0
+    bubble = engine.schedule.bubble_fraction() if engine.schedule is not None else 0.0
+    # bubble_fraction is idle / all ticks = (S-1)/(M+S-1); the time factor on busy compute is (S-1)/M.
+    factor = bubble / (1 - bubble) if bubble else 0.0
+    return Cost(sum(c.bytes_per_step for c in collectives), host, flops, factor, "compiled")

@@ -1,0 +1,514 @@
+"""`zeroflax estimate`: memory per device and per host for ZeRO stages 0-3, with and without offload.
+
+Two independent columns, each with its source:
+
+- **DeepSpeed**: the formulas of DeepSpeed's published estimators, `estimate_zero2_model_states_mem_needs`
+  (deepspeed/runtime/zero/stage_1_and_2.py) and `estimate_zero3_model_states_mem_needs`
+  (deepspeed/runtime/zero/stage3.py), reimplemented here (`deepspeed_zero2`, `deepspeed_zero3`) and
+  checked case by case against DeepSpeed's own functions (tools/gen_deepspeed_estimates.py,
+  tests/data/deepspeed_estimates.json). DeepSpeed publishes them for stages 2 and 3 only; its GPU
+  figure is model states with gradients (16-bit parameters, 16- and 32-bit gradients, 32-bit master
+  weights and Adam), its CPU figure is per node.
+- **zeroflax**: this engine's placement, leaf by leaf (`zeroflax_states`): the sharding policy's own rule
+  (`sharding.policy.choose_zero_dim`: the persistence threshold, divisibility by the data size) on the
+  mesh (tensor and pipe slicing through the logical rules), fp32 master weights (P bytes), the
+  optimizer's state (K bytes per parameter, Adam 8), the compute-dtype copy under offload, and the
+  gradient buffer (design.md section 4; memory.theory_at_rest and memory.offload_theory give the same
+  figures when every leaf is partitioned). Per device it gives:
+
+    at rest     parameters, optimizer state (and under offload the compute copy) in device memory; under
+                offload the master weights and optimizer state are in host memory instead (12 Psi / N),
+                counted per device and per host (times the devices per node)
+    + grads     at rest plus the gradient buffer (full fp32 at stages 0-1, a shard at 2-3): the
+                quantity DeepSpeed's GPU figure describes
+    arguments   (a gin config) at rest + this device's rows of the batch: the step's arguments
+    peak        (a GPT from gin, no pipe axis) arguments + gradients + the activations one micro-batch
+                keeps for the backward pass under the remat policy + the layer being recomputed
+                (`gpt_peak`): a model of XLA's `memory_analysis()` argument + output + temp - alias
+
+tests/test_estimate.py compares the arguments (with the host states) with
+`compiled.memory_analysis().argument_size_in_bytes`, and the peak with argument + output + temp - alias,
+of the real engine on 8 simulated devices (stages 0-3 and offload): on the CPU backend host memory is
+device memory, so both include the host's share there. docs/plan.md has the measured errors.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import types
+from typing import Any
+
+from zeroflax.config import ConfigError
+
+MASTER_BYTES = 4  # fp32 master weights and gradients
+ADAM_BYTES = 8  # Adam's two fp32 moments per parameter
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# (stage, offload) rows of the table: offload 'none', 'optimizer' (offload_optimizer cpu), 'optimizer+param'.
+ROWS = ((0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"),
+        (3, "none"), (3, "optimizer"), (3, "optimizer+param"))
+
+
+# --------------------------------------------------------------------------- DeepSpeed's formulas
+def deepspeed_zero2(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True,
+                    additional_buffer_factor=1.5) -> tuple[int, int]:
+    """(CPU bytes per node, GPU bytes per GPU) by DeepSpeed's ZeRO-2 estimator formula.
+
+    Per GPU: 2 bytes per parameter for the 16-bit parameters, and, unless the optimizer is offloaded,
+    18 bytes per parameter over all GPUs (16-bit and 32-bit gradients 2 + 4, fp32 master 4, Adam 8).
+    Per node: offloaded, those states for the node, at least 16 bytes per parameter (scaled by the
+    buffer factor); otherwise a 4-byte copy of the model per GPU of the node. The operations run in
+    DeepSpeed's order so the integers match bit for bit."""
+    gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * gpus, 16) * additional_buffer_factor
+    else:
+        gpu = 2 * total_params + int(18 * total_params / gpus)
+        cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu)
+
+
+def deepspeed_zero3(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True,
+                    cpu_offload_params=True, zero_init=True, additional_buffer_factor=1.5) -> tuple[int, int, int]:
+    """(CPU bytes per node, GPU bytes per GPU, largest layer bytes) by DeepSpeed's ZeRO-3 estimator formula.
+
+    Every GPU holds one largest layer at 4 bytes per parameter while it is gathered. Without offload the
+    18 bytes per parameter are split over all GPUs; offloading the optimizer leaves the 16-bit
+    parameters' share (2 / GPUs) and moves 16 bytes per parameter (per node: their share of the nodes)
+    to the CPU; offloading the parameters too leaves only the gathered layer and moves 18. zero_init
+    False makes the CPU hold at least a 4-byte model copy per GPU of the node. cpu_offload_params without
+    cpu_offload counts as no offload, as in DeepSpeed."""
+    gpus = num_nodes * num_gpus_per_node
+    node_share = 1 / num_nodes
+    layer = 4 * largest_layer_params
+    if not cpu_offload:
+        gpu = layer + int(18 * total_params / gpus)
+        cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * additional_buffer_factor
+        return int(cpu), int(gpu), layer
+    per_param = 18 if cpu_offload_params else 16
+    gpu = layer if cpu_offload_params else layer + int(2 * total_params / gpus)
+    if zero_init:
+        cpu = total_params * per_param * node_share * additional_buffer_factor
+    else:
+        cpu = total_params * max(4 * num_gpus_per_node, per_param * node_share) * additional_buffer_factor
+    return int(cpu), int(gpu), layer
+
+
+# --------------------------------------------------------------------------- the model, as leaves
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter leaf: its shape and logical axis names (None: unnamed, replicated over tensor/pipe)."""
+    shape: tuple
+    names: tuple | None = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stacked(self) -> bool:
+        return bool(self.names) and self.names[0] == "layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the estimate needs to know of a model."""
+    leaves: tuple  # of Leaf
+    largest_layer_params: int  # DeepSpeed's largest_layer_params (the biggest single module)
+    opt_bytes: float = ADAM_BYTES  # optimizer state bytes per parameter (partitioned like the parameter)
+    opt_other_bytes: int = 0  # optimizer state that is not parameter-shaped (step counts; replicated)
+    name: str = "model"
+    gpt: Any = None  # a GPTConfig when the model is zeroflax's GPT (the peak is modeled for it only)
+
+    @property
+    def num_params(self) -> int:
+        return sum(leaf.size for leaf in self.leaves)
+
+
+def spec_from_params(params: float, largest_layer_params: float | None = None) -> ModelSpec:
+    """A bare parameter count: one leaf, partitioned over every axis (nothing below the persistence
+    threshold, all of it tensor- and pipe-sliced). The largest layer defaults to none (0)."""
+    if not (params >= 1 and float(params).is_integer()):
+        raise ConfigError("--params", f"must be a whole number of parameters >= 1, got {params!r}")
+    largest = 0 if largest_layer_params is None else largest_layer_params
+    if not (0 <= largest <= params and float(largest).is_integer()):
+        raise ConfigError("--largest_layer_params", f"must be a whole number in [0, --params], got {largest!r}")
+    return ModelSpec((Leaf((int(params),), ("flat",)),), int(largest), name=f"{int(params):,} parameters")
+
+
+def spec_from_gpt(gpt, optimizer=None) -> ModelSpec:
+    """The GPT's leaves with their logical names, from an abstract init (nothing is allocated)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from zeroflax.adapters import unbox
+    from zeroflax.models.gpt import GPT
+
+    model = GPT(gpt)
+    boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    values, names = unbox(boxed)
+    flat = jax.tree.leaves(values)
+    flat_names = jax.tree.structure(values).flatten_up_to(names) if names is not None else [None] * len(flat)
+    leaves = tuple(Leaf(tuple(x.shape), None if n is None else tuple(n)) for x, n in zip(flat, flat_names))
+    # DeepSpeed's largest layer is the biggest module's own parameters; a torch GPT's modules are its
+    # Linear and Embedding layers, so here: the biggest leaf (one layer's slice of a stacked leaf).
+    largest = max(math.prod(l.shape[1:]) if l.stacked else l.size for l in leaves)
+    opt = jax.eval_shape((optimizer or optax.adamw(1e-3)).init, values)
+    shapes = {tuple(x.shape) for x in flat}
+    opt_leaves = jax.tree.leaves(opt)
+    param_shaped = sum(math.prod(x.shape) * x.dtype.itemsize for x in opt_leaves if x.ndim and tuple(x.shape) in shapes)
+    other = sum(math.prod(x.shape) * x.dtype.itemsize for x in opt_leaves) - param_shaped
+    num = sum(l.size for l in leaves)
+    return ModelSpec(leaves, largest, param_shaped / num, other, name=f"GPT ({num:,} parameters)", gpt=gpt)
+
+
+# --------------------------------------------------------------------------- zeroflax's placement
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The parallel layout and precision the zeroflax figures are for."""
+    mesh: dict  # axis -> size, resolved (data, tensor, and pipe when present)
+    devices_per_node: int
+    precision: str = "fp32"
+    persistence_threshold: int = 100_000
+    logical_rules: tuple = ()
+
+    @property
+    def data(self) -> int:
+        return self.mesh["data"]
+
+
+def _placements(spec: ModelSpec, setup: Setup):
+    """(leaf, elements per device before ZeRO, partitioned over data?) per leaf, by the policy's rules."""
+    from zeroflax.config import DEFAULT_LOGICAL_RULES
+    from zeroflax.sharding.policy import choose_zero_dim, logical_to_mesh_axes
+
+    mesh = types.SimpleNamespace(shape=dict(setup.mesh), axis_names=tuple(setup.mesh))
+    rules = setup.logical_rules or DEFAULT_LOGICAL_RULES
+    pipe = setup.mesh.get("pipe", 1)
+    out = []
+    for leaf in spec.leaves:
+        if leaf.names == ("flat",):  # a bare count: sliced by every model-parallel axis, always partitioned
+            split = math.prod(size for axis, size in setup.mesh.items() if axis != "data")
+            out.append((leaf, leaf.size / split, setup.data > 1))
+            continue
+        names = leaf.names or (None,) * len(leaf.shape)
+        base = logical_to_mesh_axes(names, rules, mesh, "/".join(map(str, names)), leaf.shape)
+        if leaf.stacked and pipe > 1:
+            base = ("pipe",) + tuple(base[1:])
+        split = math.prod(setup.mesh[a] for a in base if a is not None)
+        zero_dim = choose_zero_dim(leaf.shape, base, setup.data, setup.persistence_threshold, leaf.stacked)
+        out.append((leaf, leaf.size / split, zero_dim is not None))
+    return out
+
+
+@dataclasses.dataclass
+class States:
+    """zeroflax's bytes per device for one (stage, offload) row; `host_*` live in host memory."""
+    stage: int
+    offload: str
+    device_params: float  # master weights in device memory
+    device_opt: float
+    compute_copy: float  # offload: the compute-dtype copy on the device
+    host_params: float
+    host_opt: float
+    grad_buffer: float  # gradient buffer held from the backward pass to the update (device)
+    other: float  # the optimizer's step counts, the step, rng and loss scale (replicated)
+
+    @property
+    def device_at_rest(self) -> float:
+        return self.device_params + self.device_opt + self.compute_copy + self.other
+
+    @property
+    def host_at_rest(self) -> float:
+        return self.host_params + self.host_opt
+
+    @property
+    def with_grads(self) -> float:
+        return self.device_at_rest + self.grad_buffer
+
+
+def zeroflax_states(spec: ModelSpec, setup: Setup, stage: int, offload: str = "none") -> States:
+    """Model-state bytes per device under zeroflax's placement (module docstring)."""
+    compute = PRECISION_BYTES[setup.precision]
+    n = setup.data
+    optimizer_off = offload in ("optimizer", "optimizer+param")
+    param_off = offload == "optimizer+param"
+    dev_p = dev_o = copy = host_p = host_o = grads = 0.0
+    for leaf, local, partitioned in _placements(spec, setup):
+        shard = local / n if partitioned else local
+        master = MASTER_BYTES * (shard if (stage == 3 or optimizer_off) else local)
+        opt = spec.opt_bytes * (shard if stage >= 1 else local)
+        if optimizer_off:
+            host_p, host_o = host_p + master, host_o + opt
+            if not (param_off and partitioned):  # offload_param: only persistent leaves keep a copy
+                copy += compute * (shard if stage == 3 else local)
+        else:
+            dev_p, dev_o = dev_p + master, dev_o + opt
+        grads += MASTER_BYTES * (shard if stage >= 2 else local)
+    other = spec.opt_other_bytes + 4 + 8 + 16  # opt counts; step int32; rng uint32[2]; loss scale 4 x 4 B
+    return States(stage, offload, dev_p, dev_o, copy, host_p, host_o, grads, other)
+
+
+# --------------------------------------------------------------------------- the GPT's peak
+_RESIDUALS: dict = {}
+
+
+def _residual_bytes(gpt, seq: int, remat: str, compute_dtype: str, layers: int, micro_batch: int) -> int:
+    """Bytes of the activations the GPT's forward keeps for its backward pass (one micro-batch, one device),
+    read from `jax.vjp`'s residuals under an abstract trace (nothing runs); parameter-shaped residuals (the
+    weights themselves) are not counted."""
+    key = (repr(gpt), seq, remat, compute_dtype, layers, micro_batch)
+    if key not in _RESIDUALS:
+        import jax
+        import jax.numpy as jnp
+
+        from zeroflax.adapters import unbox
+        from zeroflax.models.gpt import GPT, next_token_loss
+
+        model = GPT(dataclasses.replace(gpt, num_layers=layers), remat=remat)
+        params = unbox(jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]))[0]
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(compute_dtype)), params)
+        loss = next_token_loss(model)
+        batch = {"tokens": jax.ShapeDtypeStruct((micro_batch, seq + 1), jnp.int32)}
+        residuals = jax.eval_shape(lambda p, b: jax.vjp(lambda q: loss(q, b, None), p)[1], params, batch)
+        weights = [(tuple(x.shape), x.dtype) for x in jax.tree.leaves(params)]
+        total = 0
+        for x in jax.tree.leaves(residuals):
+            if (tuple(x.shape), x.dtype) in weights:
+                weights.remove((tuple(x.shape), x.dtype))  # each weight once
+            else:
+                total += math.prod(x.shape) * x.dtype.itemsize
+        _RESIDUALS[key] = total
+    return _RESIDUALS[key]
+
+
+def gpt_activations(gpt, seq: int, remat: str, precision: str, micro_batch: int) -> tuple[float, float]:
+    """(saved, per layer): activation bytes one micro-batch keeps for the backward pass under `remat`, and
+    what one layer's forward keeps under that policy.
+
+    Every residual is a stacked [layers, batch, ...] array, a [batch, ...] array of the embedding and the
+    head, or independent of both (a causal mask), so the bytes are bilinear in (layers, micro-batch):
+    four traces of 1- and 2-layer models at micro-batches 1 and 2 give them exactly for any size."""
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+    b = {(l, m): _residual_bytes(gpt, seq, remat, dtype, l, m) for l in (1, 2) for m in (1, 2)}
+    per_layer = lambda m: b[(2, m)] - b[(1, m)]
+    layer = per_layer(1) + (per_layer(2) - per_layer(1)) * (micro_batch - 1)
+    head = lambda m: b[(1, m)] - per_layer(m)
+    head_bytes = head(1) + (head(2) - head(1)) * (micro_batch - 1)
+    return head_bytes + gpt.num_layers * layer, layer
+
+
+def gpt_peak(spec: ModelSpec, setup: Setup, states: States, train: dict) -> float | None:
+    """The modeled peak of the step per device (device + host: what XLA:CPU's memory_analysis counts), or
+    None where it is not modeled (a pipe axis larger than 1: the schedule decides what is in flight).
+
+    arguments (states at rest, this device's batch rows)
+      + gradients: the full local gradients, which exist before any reduction at stages 0-2 (stage 3
+        reduce-scatters each layer's in the backward pass: a shard), and with accumulation the
+        accumulator besides (full at stages 0-1, a shard at 2-3)
+      + the activations kept for the backward pass (`gpt_activations`)
+      + the layer the backward pass works on: under a remat policy its recomputed activations, what
+        'none' would keep of one layer less what the policy kept.
+    With a tensor axis of T the activations count 1/T: Megatron's slicing splits those of the heads, the
+    MLP and the vocabulary, not the residual stream's, so this under-counts them (docs/plan.md).
+    tests/test_estimate.py measures the error against memory_analysis; docs/plan.md has the figures."""
+    if setup.mesh.get("pipe", 1) > 1:
+        return None
+    tensor = setup.mesh.get("tensor", 1)
+    gpt, remat, micro, accum = spec.gpt, train["remat"], train["micro_batch"], train["accum"]
+    full = sum(MASTER_BYTES * local for _, local, _ in _placements(spec, setup))
+    shard = states.grad_buffer if states.stage >= 2 else zeroflax_states(spec, setup, 2).grad_buffer
+    grads = full if states.stage <= 2 else shard
+    if accum > 1:
+        grads += full if states.stage <= 1 else shard
+    saved, layer = gpt_activations(gpt, train["seq"], remat, setup.precision, micro)
+    working = 0.0 if remat == "none" else gpt_activations(gpt, train["seq"], "none", setup.precision, micro)[1] - layer
+    batch = micro * accum * (train["seq"] + 1) * 4
+    return states.device_at_rest + states.host_at_rest + batch + grads + (saved + working) / tensor
+
+
+def row_config(config, stage: int, offload: str):
+    """The Config of a table row: `config` at `stage` with `offload` ('none', 'optimizer', 'optimizer+param')."""
+    from zeroflax.config import OffloadOptimizerConfig, OffloadParamConfig
+    optimizer = dataclasses.replace(config.offload_optimizer, device="cpu") if offload != "none" else (
+        OffloadOptimizerConfig(pin_memory=config.offload_optimizer.pin_memory))
+    param = OffloadParamConfig("cpu", optimizer.pin_memory) if offload == "optimizer+param" else OffloadParamConfig()
+    return config.replace(zero_stage=stage, offload_optimizer=optimizer, offload_param=param)
+
+
+def _refusal(config, stage: int, offload: str) -> str | None:
+    """Why the engine would refuse this row's configuration (the Config's own check), or None."""
+    try:
+        row_config(config, stage, offload)
+    except ConfigError as error:
+        return str(error).split("\n")[0]  # gin adds the configurable's name on further lines
+    return None
+
+
+# --------------------------------------------------------------------------- the table
+def _deepspeed_row(spec: ModelSpec, devices: int, nodes: int, stage: int, offload: str, zero_init: bool,
+                   buffer_factor: float) -> tuple[int, int] | None:
+    """(GPU bytes per GPU, CPU bytes per node) of DeepSpeed's estimator, or None where it has none."""
+    if stage == 2:
+        cpu, gpu = deepspeed_zero2(spec.num_params, devices, nodes, cpu_offload=offload != "none",
+                                   additional_buffer_factor=buffer_factor)
+        return gpu, cpu
+    if stage == 3:
+        cpu, gpu, _ = deepspeed_zero3(spec.num_params, spec.largest_layer_params, devices, nodes,
+                                      cpu_offload=offload != "none", cpu_offload_params=offload == "optimizer+param",
+                                      zero_init=zero_init, additional_buffer_factor=buffer_factor)
+        return gpu, cpu
+    return None
+
+
+def estimate(spec: ModelSpec, setup: Setup, nodes: int = 1, *, zero_init: bool = True, buffer_factor: float = 1.5,
+             train: dict | None = None, config=None) -> dict:
+    """Every row of the table as a dict of bytes; `train` ({'micro_batch', 'seq', 'remat', 'accum'}) adds
+    the batch and, for a GPT, the modeled peak; `config` (the job's Config) marks the rows it refuses."""
+    rows = []
+    for stage, offload in ROWS:
+        states = zeroflax_states(spec, setup, stage, offload)
+        ds = _deepspeed_row(spec, setup.devices_per_node, nodes, stage, offload, zero_init, buffer_factor)
+        row = dict(stage=stage, offload=offload,
+                   deepspeed_gpu=None if ds is None else ds[0], deepspeed_cpu_per_node=None if ds is None else ds[1],
+                   device_at_rest=states.device_at_rest, device_with_grads=states.with_grads,
+                   host_per_device=states.host_at_rest, host_per_node=states.host_at_rest * setup.devices_per_node,
+                   params=states.device_params, opt_state=states.device_opt, compute_copy=states.compute_copy,
+                   grad_buffer=states.grad_buffer, peak=None, peak_with_host=None, refused=None)
+        if train is not None:
+            batch = train["micro_batch"] * train["accum"] * (train["seq"] + 1) * 4  # int32 tokens
+            row["batch"] = batch
+            row["device_arguments"] = states.device_at_rest + batch
+            row["arguments"] = states.device_at_rest + states.host_at_rest + batch
+            row["refused"] = _refusal(config, stage, offload) if config is not None else (
+                "Config.remat: 'none' is refused at stage 3" if stage == 3 and train["remat"] == "none" else None)
+            if spec.gpt is not None and row["refused"] is None:
+                # With host states: what XLA:CPU's memory_analysis counts; the table shows the device's part.
+                row["peak_with_host"] = gpt_peak(spec, setup, states, train)
+                if row["peak_with_host"] is not None:
+                    row["peak"] = row["peak_with_host"] - states.host_at_rest
+        rows.append(row)
+    return dict(model=spec.name, num_params=spec.num_params, largest_layer_params=spec.largest_layer_params,
+                devices_per_node=setup.devices_per_node, nodes=nodes, mesh=dict(setup.mesh), precision=setup.precision,
+                persistence_threshold=setup.persistence_threshold, zero_init=zero_init, buffer_factor=buffer_factor,
+                train=train, rows=rows, sources=SOURCES)
+
+
+SOURCES = {
+    "deepspeed_gpu": "DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (stages 2 and 3 only): gpu_mem, "
+                     "per GPU, model states with gradients and (stage 3) one gathered largest layer",
+    "deepspeed_cpu_per_node": "the same functions' cpu_mem, per node",
+    "device_at_rest": "zeroflax's placement: parameters + optimizer state (+ compute copy under offload) in device "
+                      "memory, per device, between steps",
+    "device_with_grads": "device_at_rest + the gradient buffer (fp32; full at stages 0-1, a shard at 2-3)",
+    "host_per_device": "zeroflax's placement under offload: master weights + optimizer state in host memory, per device",
+    "host_per_node": "host_per_device x devices per node",
+    "arguments": "gin configs: what compiled.memory_analysis().argument_size_in_bytes counts (device + host states, "
+                 "this device's batch rows); on the CPU backend host memory is device memory",
+    "peak": "gin configs (GPT): arguments + gradient buffer + activations + gathered layers + update temporaries, "
+            "an analytic model of memory_analysis' argument + output + temp - alias",
+}
+
+
+# --------------------------------------------------------------------------- output
+def format_table(result: dict, unit: str = "auto") -> str:
+    rows = result["rows"]
+    values = [v for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+              and k not in ("stage",)]
+    if unit == "auto":
+        unit = "GiB" if max(values, default=0) >= 2**30 else "MiB"
+    scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[unit]
+    show = lambda v: f"{'-':>10}" if v is None else f"{v / scale:10.2f}"
+    mesh = " x ".join(f"{k} {v}" for k, v in result["mesh"].items())
+    lines = [f"zeroflax estimate: {result['model']}, largest layer {result['largest_layer_params']:,} parameters; "
+             f"{result['devices_per_node']} devices per node x {result['nodes']} node(s); mesh {mesh}; "
+             f"{result['precision']} compute"
+             + (f"; persistence threshold {result['persistence_threshold']:,}" if result.get("train") else
+                " (a bare count: every parameter partitioned)")]
+    train = result.get("train")
+    if train:
+        lines.append(f"micro-batch {train['micro_batch']} x {train['accum']} accumulation steps, sequence "
+                     f"{train['seq']}, remat '{train['remat']}'")
+    lines += ["",
+              f"{'':24}| {'DeepSpeed (estimator)':^21} | {'zeroflax (placement), per device':^43} | {'host':^21}",
+              f"{'stage  offload':<24}| {'GPU':>10}{'CPU/node':>11} | {'at rest':>10}{'+ grads':>11}"
+              f"{'peak':>11}{'arguments':>11} | {'per dev':>10}{'per node':>11}   ({unit})"]
+    for r in rows:
+        peak = show(r["peak"]) if r.get("refused") is None else f"{'refused':>10}"
+        lines.append(f"{r['stage']:<7}{r['offload']:<17}| {show(r['deepspeed_gpu'])} {show(r['deepspeed_cpu_per_node'])} | "
+                     f"{show(r['device_at_rest'])} {show(r['device_with_grads'])} {peak} {show(r.get('device_arguments'))} | "
+                     f"{show(r['host_per_device'])} {show(r['host_per_node'])}")
+    lines += ["",
+              "DeepSpeed: its estimate_zero2/zero3_model_states_mem_needs formulas (stages 2 and 3 only; zero_init="
+              f"{result['zero_init']}, additional_buffer_factor={result['buffer_factor']}): GPU = model states with "
+              "gradients (and one gathered largest layer at stage 3) per GPU; CPU per node.",
+              "zeroflax: its sharding policy leaf by leaf. at rest = parameters + optimizer state (+ compute copy "
+              "under offload) in device memory; + grads = with the fp32 gradient buffer (the quantity DeepSpeed's GPU "
+              "column describes); host = master weights + optimizer state in host memory under offload.",
+              "arguments (gin configs) = device states + this device's batch rows: the step's arguments in device "
+              "memory. With the host states added ('arguments' in --json) it is what XLA:CPU's "
+              "compiled.memory_analysis().argument_size_in_bytes counts (tests/test_estimate.py: within 0.1%).",
+              "peak (a GPT from gin; no pipe axis) = device arguments + gradients + activations kept for the "
+              "backward pass + the layer being recomputed: a model of memory_analysis' argument + output + temp - "
+              "alias less the host states ('peak_with_host' in --json is compared; measured error -10% to +28%, docs/plan.md)."]
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("estimate", help="memory per device and per host for ZeRO stages 0-3 with and "
+                                               "without offload: DeepSpeed's formulas beside zeroflax's placement",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable): the GPT of zeroflax train")
+    p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
+    p.add_argument("--params", type=float, default=None, help="a bare parameter count instead of a gin config, e.g. 1.3e9")
+    p.add_argument("--largest_layer_params", type=float, default=None,
+                   help="with --params: the largest layer's parameters (DeepSpeed's ZeRO-3 formula; default 0)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="with --params: the compute dtype (default bf16); a gin config has Config.precision")
+    p.add_argument("--devices", type=int, default=8, help="devices per node (default 8)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--no_zero_init", action="store_true", help="DeepSpeed's zero_init=False (stage 3 CPU figure)")
+    p.add_argument("--buffer_factor", type=float, default=1.5, help="DeepSpeed's additional_buffer_factor (default 1.5)")
+    p.add_argument("--unit", choices=("auto", "GiB", "MiB", "KiB", "B"), default="auto")
+    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table")
+    p.set_defaults(run=cmd_estimate)
+
+
+def cmd_estimate(args) -> int:
+    for flag, value in (("--devices", args.devices), ("--nodes", args.nodes)):
+        if value < 1:
+            raise ConfigError(flag, f"must be >= 1, got {value}")
+    if not args.buffer_factor > 0:
+        raise ConfigError("--buffer_factor", f"must be > 0, got {args.buffer_factor}")
+    devices = args.devices * args.nodes
+    if args.params is not None:
+        if args.gin_file or args.gin_param:
+            raise ConfigError("--params", "give either --params or a gin config (--gin_file/--gin_param), not both")
+        spec, config = spec_from_params(args.params, args.largest_layer_params), None
+        setup = Setup({"data": devices, "tensor": 1}, args.devices, args.precision or "bf16")
+        train = None
+    else:
+        for flag, value in (("--largest_layer_params", args.largest_layer_params), ("--precision", args.precision)):
+            if value is not None:
+                raise ConfigError(flag, "only goes with --params (a gin config's GPT and Config have their own)")
+        from zeroflax.cli import _parse_gin
+        _parse_gin(args.gin_file, args.gin_param)
+        from zeroflax.config import Config
+        from zeroflax.models.gpt import GPTConfig
+        from zeroflax.train import TrainConfig, make_optimizer
+        config, gpt, tc = Config(), GPTConfig(), TrainConfig()
+        spec = spec_from_gpt(gpt, make_optimizer(tc))
+        setup = Setup(config.mesh.resolve(devices), args.devices, config.precision, config.persistence_threshold,
+                      config.logical_rules)
+        train = dict(micro_batch=config.micro_batch_size, accum=config.grad_accum_steps, seq=tc.seq_len,
+                     remat=config.remat)
+    result = estimate(spec, setup, args.nodes, zero_init=not args.no_zero_init, buffer_factor=args.buffer_factor,
+                      train=train, config=config)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(format_table(result, args.unit))
+    return 0
