@@ -16,8 +16,11 @@ from zeroflax.checkpoint import Checkpointer, restore_params
 from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
 
 
-def test_resume_is_bitwise_exact(tmp_path):
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
+def test_resume_is_bitwise_exact_and_two_processes_match_one(tmp_path):
+    """Stopped at step 3 and resumed, the main job equals the uninterrupted run bitwise; two processes of
+    4 devices (the same 6-step schedule, stopped at 3) match it to float32 rounding; the checkpoint
+    generates on one plain CPU device (the sparse job's: test_generate_runs_on_one_cpu_device)."""
+    whole, parts, multi = tmp_path / "whole", tmp_path / "parts", tmp_path / "multi"
     result = run_cli("train", "--gin_file", TINY, *tiny_bindings(whole, steps=6), "--no_progress")
     assert result.returncode == 0, result.stderr
     stopped = run_cli("train", "--gin_file", TINY, *tiny_bindings(parts, steps=6), "--stop_at", "3", "--no_progress")
@@ -28,10 +31,23 @@ def test_resume_is_bitwise_exact(tmp_path):
     uninterrupted, interrupted = losses(whole), losses(parts)
     assert sorted(uninterrupted) == sorted(interrupted) == list(range(1, 7))
     assert interrupted == uninterrupted  # bitwise: the JSON holds the exact float32 values
-    # The dense main job's checkpoint generates on one plain CPU device (the sparse one: below).
+
+    two = run_cli("launch", "--nproc", "2", "--devices_per_process", "4", "--", sys.executable, "-m", "zeroflax",
+                  "train", "--gin_file", TINY, *tiny_bindings(multi, steps=6), "--stop_at", "3", "--no_progress",
+                  timeout=400)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "in 2 process(es)" in two.stdout
+    _match_to_rounding(losses(multi), uninterrupted, [1, 2, 3])
+
     generated = run_cli("generate", "--checkpoint", str(whole), "--prompt", "The ", "--length", "20")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("The ") and len(generated.stdout) >= 20
+
+
+def _match_to_rounding(multi, single, steps):
+    assert sorted(multi) == steps
+    for step in steps:
+        assert abs(multi[step] - single[step]) <= 1e-5 * abs(single[step]), (step, multi[step], single[step])
 
 
 def test_checkpoint_restores_at_another_stage_and_device_count(tmp_path):
@@ -97,28 +113,15 @@ def test_generate_runs_on_one_cpu_device(tmp_path):
     assert generated.stdout.startswith("The ") and len(generated.stdout) >= 20
 
 
-def test_two_processes_match_one(tmp_path):
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    one = run_cli("train", "--gin_file", TINY, *tiny_bindings(single, steps=3), "--no_progress")
-    assert one.returncode == 0, one.stderr
-    two = run_cli("launch", "--nproc", "2", "--devices_per_process", "4", "--", sys.executable, "-m", "zeroflax",
-                  "train", "--gin_file", TINY, *tiny_bindings(multi, steps=3), "--no_progress", timeout=400)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "in 2 process(es)" in two.stdout
-    a, b = losses(single), losses(multi)
-    assert sorted(a) == sorted(b) == [1, 2, 3]
-    for step in a:
-        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step])
-
-
 THREE_D = os.path.join(ROOT, "experiments", "gpt_3d.gin")
 
 
-def test_3d_main_job_resumes_exactly_and_restores_on_other_meshes(tmp_path):
+def test_3d_main_job_resumes_exactly_restores_elsewhere_and_runs_in_two_processes(tmp_path):
     """gpt_3d.gin (pipe 2 x data 2 x tensor 2): stopped and resumed it equals the uninterrupted run
-    bitwise; its checkpoint resumes on data 8 (no pipeline, no tensor slicing) and generates on one
-    plain CPU device."""
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    bitwise; two processes of 4 devices, each holding one pipeline stage (pipe is the outermost mesh
+    axis, so both feed the whole batch), match it to float32 rounding; its checkpoint resumes on data 8
+    (no pipeline, no tensor slicing) and generates on one plain CPU device."""
+    whole, parts, multi = tmp_path / "whole", tmp_path / "parts", tmp_path / "multi"
     result = run_cli("train", "--gin_file", THREE_D, *tiny_bindings(whole, steps=4), "--no_progress")
     assert result.returncode == 0, result.stderr
     assert "'pipe': 2, 'data': 2, 'tensor': 2" in result.stdout and "pipeline bubble" in result.stdout
@@ -127,6 +130,13 @@ def test_3d_main_job_resumes_exactly_and_restores_on_other_meshes(tmp_path):
     resumed = run_cli("train", "--gin_file", THREE_D, *tiny_bindings(parts, steps=4), "--resume", "--no_progress")
     assert resumed.returncode == 0, resumed.stderr
     assert losses(parts) == losses(whole) and sorted(losses(whole)) == [1, 2, 3, 4]
+
+    two = run_cli("launch", "--nproc", "2", "--devices_per_process", "4", "--", sys.executable, "-m", "zeroflax",
+                  "train", "--gin_file", THREE_D, *tiny_bindings(multi, steps=4), "--stop_at", "3", "--no_progress",
+                  timeout=400)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "in 2 process(es)" in two.stdout
+    _match_to_rounding(losses(multi), losses(whole), [1, 2, 3])
 
     flat = {"MeshConfig.axes": "{'data': -1, 'tensor': 1}", "Config.grad_accum_steps": 1}  # same 8-row batch
     elsewhere = run_cli("train", "--gin_file", THREE_D, *tiny_bindings(parts, steps=6, **flat), "--resume",
@@ -138,22 +148,6 @@ def test_3d_main_job_resumes_exactly_and_restores_on_other_meshes(tmp_path):
     generated = run_cli("generate", "--checkpoint", str(whole), "--prompt", "The ", "--length", "10")
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.startswith("The ")
-
-
-def test_3d_main_job_with_the_pipe_axis_across_two_processes(tmp_path):
-    """Two processes of 4 devices: each holds one pipeline stage (pipe is the outermost mesh axis), so
-    both feed the whole batch; the losses equal one process's."""
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    one = run_cli("train", "--gin_file", THREE_D, *tiny_bindings(single, steps=3), "--no_progress")
-    assert one.returncode == 0, one.stderr
-    two = run_cli("launch", "--nproc", "2", "--devices_per_process", "4", "--", sys.executable, "-m", "zeroflax",
-                  "train", "--gin_file", THREE_D, *tiny_bindings(multi, steps=3), "--no_progress", timeout=400)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "in 2 process(es)" in two.stdout
-    a, b = losses(single), losses(multi)
-    assert sorted(a) == sorted(b) == [1, 2, 3]
-    for step in a:
-        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step])
 
 
 def _complete_steps(directory):
