@@ -23,9 +23,13 @@ def tiny_bindings(workdir, steps=6, **extra):
     return args
 
 
+# LLVM -O0 for the suite's own compilations (tests/conftest.py says why); subprocesses get it too.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def env_without_device_flags():
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CLI sets its own device count
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # without the suite's device count: the CLI sets its own
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

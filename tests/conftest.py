@@ -2,7 +2,13 @@
 import gc
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# TEST_XLA_FLAGS: the suite's programs are tiny, so compiling them dominates its time; LLVM's -O0 compiles
+# them about 30% faster. It changes no semantics (no fast math either way), and the HLO passes that
+# decide sharding, collectives, fusion and buffers (what memory_analysis and the comm reports read) still run.
+from cli_helpers import TEST_XLA_FLAGS  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS,
+                                    "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
