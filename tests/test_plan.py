@@ -44,6 +44,12 @@ def test_winner_fits_and_every_cheaper_candidate_was_rejected_safely(planned):
     _, result = planned
     budget, winner = result["budget"], result["winner"]
     candidates = [c for c in result["candidates"] if c["status"] != "invalid"]
+    # Only what the Config refuses is invalid (stage 3 without remat, offload at stage 0), whatever the
+    # input gin's own stage (3 here) would refuse: a candidate is checked as a whole.
+    for c in result["candidates"]:
+        if c["status"] == "invalid":
+            assert (c["stage"], c["remat"]) == (3, "none") or (c["stage"], c["offload"] != "none") == (0, True), c
+    assert any(c["remat"] == "none" for c in candidates)
     assert winner is not None and winner["status"] == "fits" and winner["measured"] is not None
     assert winner["device_peak"] <= budget
     # The premise: the job itself at stage 0 (the gin file's remat 'dots', 2 sequences in one micro-batch)

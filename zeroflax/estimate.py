@@ -330,13 +330,15 @@ def gpt_peak(spec: ModelSpec, setup: Setup, states: States, train: dict) -> floa
     return states.device_at_rest + states.host_at_rest + batch + grads + (saved + working) / tensor
 
 
-def row_config(config, stage: int, offload: str):
-    """The Config of a table row: `config` at `stage` with `offload` ('none', 'optimizer', 'optimizer+param')."""
+def row_config(config, stage: int, offload: str, **changes):
+    """The Config of a table row: `config` at `stage` with `offload` ('none', 'optimizer', 'optimizer+param')
+    and `changes`, in one replace: the Config's checks see the row as a whole (a remat policy that the
+    input's stage 3 refuses may be fine at the row's stage)."""
     from zeroflax.config import OffloadOptimizerConfig, OffloadParamConfig
     optimizer = dataclasses.replace(config.offload_optimizer, device="cpu") if offload != "none" else (
         OffloadOptimizerConfig(pin_memory=config.offload_optimizer.pin_memory))
     param = OffloadParamConfig("cpu", optimizer.pin_memory) if offload == "optimizer+param" else OffloadParamConfig()
-    return config.replace(zero_stage=stage, offload_optimizer=optimizer, offload_param=param)
+    return config.replace(zero_stage=stage, offload_optimizer=optimizer, offload_param=param, **changes)
 
 
 def _refusal(config, stage: int, offload: str) -> str | None:

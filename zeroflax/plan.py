@@ -104,9 +104,9 @@ class Candidate:
         from zeroflax.estimate import row_config
         axes = {"pipe": self.pipe} if self.pipe > 1 else {}
         axes.update(data=self.data, tensor=self.tensor)
-        config = base.replace(mesh=MeshConfig(axes), remat=self.remat, micro_batch_size=self.micro_batch,
-                              grad_accum_steps=self.accum, train_batch_size=self.micro_batch * self.accum * self.data)
-        return row_config(config, self.stage, self.offload)
+        return row_config(base, self.stage, self.offload, mesh=MeshConfig(axes), remat=self.remat,
+                          micro_batch_size=self.micro_batch, grad_accum_steps=self.accum,
+                          train_batch_size=self.micro_batch * self.accum * self.data)
 
 
 
