@@ -259,7 +259,7 @@ class Planner:
 
 
 def search(planner: Planner, space: Space, budget: float, rates, *, host_budget: float | None = None,
-           global_batch: int, tie: float = 0.005, progress: bool = False, max_compiles: int | None = None) -> PlanResult:
+           global_batch: int, tie: float = 0.0, progress: bool = False, max_compiles: int | None = None) -> PlanResult:
     """The search of the module docstring."""
     started = time.perf_counter()
     candidates = enumerate_candidates(planner.base, planner.gpt, planner.devices, global_batch, space)
@@ -408,8 +408,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--micro-batches", default=None, help="micro-batch sizes (default: every divisor)")
     p.add_argument("--tensor", default=None, help="tensor sizes (default: divisors of devices and heads)")
     p.add_argument("--pipe", default="1", help="pipe sizes, e.g. 1,2,4 (default 1: no pipeline; docs/plan.md)")
-    p.add_argument("--tie", type=float, default=0.005,
-                   help="costs within this share of the best count as no cheaper (default 0.005)")
+    p.add_argument("--tie", type=float, default=0.0,
+                   help="bounds within this share of the best cost count as no cheaper (default 0: strict)")
     p.add_argument("--max-compiles", type=int, default=None, help="stop compiling after this many")
     p.add_argument("--out", default=None, help="write the winner as this gin file")
     p.add_argument("--json", default=None, help="write every candidate as JSON to this file")
