@@ -273,7 +273,7 @@ def _batch(ds: dict, settings: _Settings, base: Config | None, data_size: int, n
     train, micro, accum = (given[k] for k in names)
     n = data_size
     if train is not None and micro is not None and accum is not None:
-        pass
+        pass  # all three given: their product is checked below
     elif train is not None and micro is not None:
         accum = train // micro // n
     elif train is not None and accum is not None:
