@@ -7,6 +7,7 @@
     zeroflax train --deepspeed_config ds_config.json --gin_param 'TrainConfig.steps = 600'
     zeroflax estimate --params 1.3e9 --devices 8          # DeepSpeed's estimator beside zeroflax's
     zeroflax plan --devices 8 --device-memory 16MiB --gin_file experiments/gpt_tiny_zero3.gin --out plan.gin
+    zeroflax export --checkpoint runs/gpt_tiny --format safetensors --dtype bf16   # docs/export.md
 
 Errors in the user's input (config, gin, data, checkpoints, mesh) print one line and exit with 2.
 """
@@ -18,7 +19,7 @@ import socket
 import subprocess
 import sys
 
-from zeroflax import estimate, plan
+from zeroflax import estimate, export, plan
 from zeroflax.distributed import DEVICES_ENV, launch_env
 
 EXIT_USAGE = 2
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(run=cmd_launch)
     estimate.add_parser(sub)
     plan.add_parser(sub)
+    export.add_parser(sub)
     return parser
 
 

@@ -42,6 +42,9 @@ class TrainConfig:
     eval_every: validation every K steps (0: only before and after); eval_batches: batches per validation.
     optimizer: 'adamw', or 'onebit_adam' (zeroflax.optim.onebit_adam with the same betas, learning-rate
         schedule and weight decay) whose warm-up lasts `freeze_step` steps.
+    init_from: a safetensors file (`zeroflax export`) the run's parameters start from; the optimizer state
+        starts fresh. A resumed run continues from its checkpoint (which started from the same file); resuming
+        one that started from another file, or from none, is refused as ambiguous (docs/export.md).
     """
 
     workdir: str = "runs/gpt_tiny"
@@ -64,6 +67,7 @@ class TrainConfig:
     sample_prompt: str = "The "
     sample_length: int = 200
     sample_temperature: float = 0.7
+    init_from: str = ""
 
     def __post_init__(self):
         positive = ("seq_len", "steps", "log_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
@@ -82,6 +86,9 @@ class TrainConfig:
             raise ConfigError("TrainConfig.learning_rate", f"must be > 0, got {self.learning_rate!r}")
         if not (isinstance(self.val_fraction, float) and 0 < self.val_fraction <= 0.5):
             raise ConfigError("TrainConfig.val_fraction", f"must be in (0, 0.5], got {self.val_fraction!r}")
+        if self.init_from and not os.path.isfile(self.init_from):
+            raise ConfigError("TrainConfig.init_from", f"{self.init_from} does not exist", "give a safetensors file "
+                              "written by zeroflax export")
         if self.warmup_steps >= self.steps:
             raise ConfigError("TrainConfig.warmup_steps", f"{self.warmup_steps} must be below steps ({self.steps})")
 
@@ -230,14 +237,23 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
         raise ConfigError("TrainConfig.workdir", f"{tc.workdir} holds checkpoints of an earlier run (newest: step "
                           f"{latest})", "pass --resume to continue it, or choose another workdir")
     if resume and latest is not None:
-        state, data_state, _ = checkpoints.restore(latest, state, engine.state_shardings)
+        state, data_state, old_meta = checkpoints.restore(latest, state, engine.state_shardings)
+        started_from = old_meta.get("train", {}).get("init_from", "")
+        if tc.init_from and started_from != tc.init_from:  # which parameters would the user mean?
+            raise ConfigError("TrainConfig.init_from", f"the run in {tc.workdir} started from "
+                              f"{started_from or 'its own initialisation'}, not {tc.init_from}",
+                              "drop init_from to resume it, or choose another workdir")
         state = engine.storage_order(state)  # checkpoints hold the layers in model order
         loader.restore(data_state)
         say(f"resumed from step {latest} in {checkpoints.directory}")
         for note in checkpoints.notes:
             say(note)
-    elif resume:
+    elif resume and not tc.init_from:
         say(f"no checkpoint in {checkpoints.directory}: starting from scratch")
+    if tc.init_from and not (resume and latest is not None):  # a resumed run's checkpoint already holds them
+        from zeroflax.export import initialize_from_safetensors
+        state = initialize_from_safetensors(engine, state, tc.init_from)
+        say(f"parameters from {tc.init_from} (optimizer state fresh)")
     start = int(state.step)
 
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
