@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 
-from zeroflax import estimate, export, plan
+from zeroflax import estimate, explain, export, plan
 from zeroflax.distributed import DEVICES_ENV, launch_env
 
 EXIT_USAGE = 2
@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_parser(sub)
     plan.add_parser(sub)
     export.add_parser(sub)
+    explain.add_parser(sub)
     return parser
 
 

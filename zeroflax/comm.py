@@ -49,6 +49,8 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\(
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[^=]*?\})\}")
 
@@ -138,6 +140,9 @@ class Collective:
     trip_count: float  # executions per step (averaged over pipeline stages inside a pipeline tick)
     bytes_per_step: float
     axes: tuple = ()  # the mesh axes it communicates over
+    name: str = ""  # the instruction's name (its place in the schedule: `explain.step_timeline`)
+    op_name: str = ""  # its metadata's op_name: the name scopes of the step part and layer it serves
+    dims: tuple = ()  # the shape of its (last) result
 
 
 def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
@@ -241,8 +246,12 @@ def parse_collectives(hlo_text: str, num_devices: int, mesh_shape: dict | None =
             ids = sorted({i for pair in pairs[:1] for i in pair}) if pairs else _first_group(rest, num_devices)
             axes = mesh_axes_of(ids, mesh_shape) if mesh_shape else ()
             senders = len(pairs) / num_devices if pairs else 1.0
+            shapes = _ARRAY.findall(result_type)
+            op_name = _OP_NAME.search(rest)
             collectives.append(Collective(kind, name, dtype, result_bytes, group, count,
-                                          count * _per_device_bytes(kind, result_bytes, group, senders), axes))
+                                          count * _per_device_bytes(kind, result_bytes, group, senders), axes,
+                                          _NAME.match(line).group(1), op_name.group(1) if op_name else "",
+                                          tuple(int(d) for d in shapes[-1][1].split(",") if d) if shapes else ()))
     return collectives, unknown_trip
 
 

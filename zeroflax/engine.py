@@ -48,6 +48,7 @@ from zeroflax.optim import onebit
 from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
+from zeroflax.sharding.scopes import UPDATE_SCOPE
 from zeroflax.sharding.manual import psum_on_slices
 from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, loss_remat_policy
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
@@ -561,19 +562,21 @@ class Engine:
                                                                       state.model_state, sync, phase)
         grads = jax.lax.with_sharding_constraint(grads, plan.grads)
         compute = pending = None
-        if self.offload is not None:
-            params, opt_state, compute, pending, grad_norm, finite = self.offload(state, grads, phase != "exact")
-        else:
-            # Stages 1-2: the update runs on this device's shard of replicated parameters (a free slice).
-            params_view = jax.lax.with_sharding_constraint(state.params, plan.grads)
-            momentum = None
-            if sync_out is not None:
-                sync_state, norm = sync_out
-                momentum = (grads, norm)
-            params, opt_state, grad_norm, finite = self._update(params_view, state.opt_state, grads, momentum=momentum)
-            finite = jnp.asarray(finite)
-            params = jax.lax.with_sharding_constraint(params, plan.params)
-            opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_state)
+        with jax.named_scope(UPDATE_SCOPE):  # the step's last part, named for the memory explainer
+            if self.offload is not None:
+                params, opt_state, compute, pending, grad_norm, finite = self.offload(state, grads, phase != "exact")
+            else:
+                # Stages 1-2: the update runs on this device's shard of replicated parameters (a free slice).
+                params_view = jax.lax.with_sharding_constraint(state.params, plan.grads)
+                momentum = None
+                if sync_out is not None:
+                    sync_state, norm = sync_out
+                    momentum = (grads, norm)
+                params, opt_state, grad_norm, finite = self._update(params_view, state.opt_state, grads,
+                                                                    momentum=momentum)
+                finite = jnp.asarray(finite)
+                params = jax.lax.with_sharding_constraint(params, plan.params)
+                opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_state)
         loss_scale = update_loss_scale(state.loss_scale, ~finite, config.loss_scale, dynamic_scaling)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                                loss_scale=loss_scale, rng=state.rng, model_state=model_state,
@@ -690,19 +693,34 @@ class Engine:
     def compile(self, state, batch, phase: str | None = None):
         """The compiled step (of `phase`; default the steady state) for these (abstract or concrete)
         arguments; no step is run."""
-        batch = self.put_batch(batch)
         phase = phase or self.phases[-1]
-        # Shardings (memory kinds included) from the plan where the arguments have none.
-        state_abs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
-            x, "sharding", None) or s), state, self.state_shardings)
-        batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+        state_abs, batch_abs = self.abstract_args(state, batch)
         key = phase, jax.tree.structure((state_abs, batch_abs)), tuple(
             (s.shape, str(s.dtype)) for s in jax.tree.leaves((state_abs, batch_abs)))
         if key not in self._compiled:
             self._compiled[key] = self._step_fn(batch, phase).lower(state_abs, batch_abs).compile()
         return self._compiled[key]
 
-    def memory_report(self, state, batch):
+    def abstract_args(self, state, batch):
+        """(state, batch) as the step compiles them: shapes, dtypes and shardings (memory kinds included;
+        the plan's where an argument has none). Either may be concrete or abstract."""
+        if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+            batch = self.put_batch(batch)
+        state_abs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
+            x, "sharding", None) or s), state, self.state_shardings)
+        rows = NamedSharding(self.mesh, P(DATA_AXIS))
+        batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
+            x, "sharding", None) or rows), batch)
+        return state_abs, batch_abs
+
+    def memory_report(self, state, batch, by: str = "category"):
+        """Per-device memory of the compiled step: by category beside ZeRO's theory (`memory.py`), or
+        `by="layer"`: every byte XLA reserves charged to a layer and a category (`explain.py`)."""
+        if by == "layer":
+            from zeroflax.explain import layer_report
+            return layer_report(self, state, batch)
+        if by != "category":
+            raise ValueError(f"memory_report(by={by!r}): 'category' or 'layer'")
         from zeroflax.memory import memory_report
         return memory_report(self, state, batch)
 

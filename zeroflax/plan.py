@@ -221,26 +221,15 @@ class Planner:
 
     def compile(self, c: Candidate, global_batch: int) -> None:
         """Compile the candidate's step from abstract inputs; fill in its compiled memory and cost."""
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        import zeroflax
         from zeroflax.cost import measure
         from zeroflax.memory import split_bytes
-        from zeroflax.models.gpt import GPT, next_token_loss
 
         started = time.perf_counter()
-        model = GPT(self.gpt)
-        sample = {"tokens": jax.ShapeDtypeStruct((1, self.seq + 1), jnp.int32)}
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # e.g. "remat applies to nothing": the table says what ran
-                engine, state = zeroflax.initialize(
-                    next_token_loss(model), lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"],
-                    self.optimizer, c.config(self.base), sample_batch=sample, abstract=True)
-                batch = {"tokens": jax.ShapeDtypeStruct((global_batch, self.seq + 1), jnp.int32,
-                                                        sharding=NamedSharding(engine.mesh, P("data")))}
+                engine, state, batch = abstract_gpt_engine(self.gpt, c.config(self.base), self.optimizer, self.seq,
+                                                           global_batch)
                 traced = engine._step_fn(batch).trace(state, batch)
                 compiled = traced.lower().compile()
         except ConfigError as error:
@@ -256,6 +245,28 @@ class Planner:
         c.device_peak = peak - host
         c.measured = measure(engine, compiled, traced.jaxpr.jaxpr)
         c.compile_s = time.perf_counter() - started
+
+
+def abstract_gpt_engine(gpt, config, optimizer, seq_len: int, global_batch: int | None = None):
+    """(engine, state, batch) for the GPT under `config`, the state and batch abstract (nothing is
+    allocated): what compile-only tools (plan, explain) compile. The batch has `global_batch` rows,
+    default the config's train batch."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import zeroflax
+    from zeroflax.models.gpt import GPT, next_token_loss
+
+    model = GPT(gpt)
+    sample = {"tokens": jax.ShapeDtypeStruct((1, seq_len + 1), jnp.int32)}
+    engine, state = zeroflax.initialize(
+        next_token_loss(model), lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"],
+        optimizer, config, sample_batch=sample, abstract=True)
+    rows = global_batch or engine.train_batch_size
+    batch = {"tokens": jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32,
+                                            sharding=NamedSharding(engine.mesh, P("data")))}
+    return engine, state, batch
 
 
 def search(planner: Planner, space: Space, budget: float, rates, *, host_budget: float | None = None,

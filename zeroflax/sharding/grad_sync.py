@@ -23,6 +23,7 @@ import jax
 from zeroflax.sharding.manual import on_slices, psum_on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.policy import LeafPlacement
+from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE
 
 SCATTER_WHEN = {0: None, 1: "final", 2: "microbatch", 3: "backward"}
 
@@ -48,7 +49,8 @@ class ZeroGradSync:
     def per_microbatch(self, grads):
         if SCATTER_WHEN[self.stage] != "microbatch":
             return grads
-        return self._map(lambda p, g: g if p.zero_dim is None else self._scatter(p, g), grads)
+        with jax.named_scope(GRAD_SYNC_SCOPE):
+            return self._map(lambda p, g: g if p.zero_dim is None else self._scatter(p, g), grads)
 
     def final(self, grads):
         when = SCATTER_WHEN[self.stage]
@@ -60,4 +62,5 @@ class ZeroGradSync:
                 return self._scatter(p, g)
             return g  # already scattered per micro-batch or in the backward pass
 
-        return self._map(reduce, grads)
+        with jax.named_scope(GRAD_SYNC_SCOPE):
+            return self._map(reduce, grads)

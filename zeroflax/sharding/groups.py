@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroflax.sharding.layers import current_context, gather, in_host_memory, is_handle, layer_context, mark_boundary, remat_policy
+from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END
 
-GROUP_SCOPE, GROUP_SCOPE_END = "zeroflax_group[", "]"
 _group_depth = [0]
 # One list per nesting level of module calls: [input anchor, parameter elements] of the last group run.
 _levels: list[list] = [[None, 0]]

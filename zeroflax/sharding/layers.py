@@ -35,6 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zeroflax.pipeline.executor import active_stage, run_stage
 from zeroflax.sharding.manual import on_slices
+from zeroflax.sharding.scopes import LAYERS_SCOPE, SCOPE_END
 
 
 @dataclasses.dataclass
@@ -325,6 +326,16 @@ def remat_policy(name: str):
 BOUNDARY = "zeroflax_boundary"
 
 
+def _stack_length(stacked_params) -> int:
+    """The number of layers in a stack: the leading dimension of its leaves (handles included)."""
+    for leaf in jax.tree.leaves(stacked_params, is_leaf=is_handle):
+        shape = getattr(leaf.shard if is_handle(leaf) else leaf, "shape", None)  # a handle's shape is one slice's
+        if shape:
+            return int(shape[0])
+    return 0
+
+
+
 def mark_boundary(tree):
     """`tree` with its floating arrays named as block boundaries, which `loss_remat_policy` saves."""
     def mark(x):
@@ -374,7 +385,9 @@ def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | 
             ctx.usage.remat_regions += 1
 
     def run(carry, stacked_params, xs):
-        return jax.lax.scan(step, carry, (stacked_params, xs), unroll=unroll)[0]
+        # The scope marks the scan in the HLO's metadata, where the memory explainer finds the layers.
+        with jax.named_scope(f"{LAYERS_SCOPE}{_stack_length(stacked_params)}{SCOPE_END}"):
+            return jax.lax.scan(step, carry, (stacked_params, xs), unroll=unroll)[0]
 
     if ctx is not None and ctx.usage is not None:
         ctx.usage.layer_carry_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(carry))
