@@ -254,6 +254,9 @@ def _owners(engine) -> _Owners:
         for dims in shapes:
             by_dims.setdefault(dims, []).append(owners)
         rows += [r for r, _ in owners if r not in rows]
+    # Gather groups in the order the model calls them (the probe trace's order), the other rows as they come.
+    called = [g.split("#")[0] for g in (usage.groups if usage is not None else {})]
+    rows = sorted(rows, key=lambda r: called.index(r) if r in called else -1)
     rows += [f"{prefix}{ONE_AT_A_TIME}" for prefix in stacks.values()] + [OUTSIDE, STEP, BATCH_ROW]
     # A shape that only one set of rows' parameters take (the step's gradients, updates) names those rows.
     by_dims = {dims: found[0] for dims, found in by_dims.items() if all(f == found[0] for f in found)}
