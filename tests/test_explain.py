@@ -155,3 +155,31 @@ def test_explain_command_writes_table_figure_and_json(tmp_path):
     assert [r["stage"] for r in reports] == [0, 3] and all(r["coverage"] >= 0.95 for r in reports)
     bad = run_cli("explain", "--stages", "4")
     assert bad.returncode != 0 and "--stages" in bad.stderr
+
+
+def test_step_timeline_shows_zero_inside_the_all_reduce():
+    from models import MLP, linen_case
+
+    init, loss, make = linen_case(MLP(hidden=64, out=8), (16,), 8)
+    batch = make(np.random.default_rng(0), 16)
+    timelines = {}
+    for stage in (0, 2, 3):
+        config = zeroflax.Config(zero_stage=stage, micro_batch_size=2, persistence_threshold=0,
+                                 mesh=zeroflax.MeshConfig({"data": -1, "tensor": 1}))
+        engine, state = zeroflax.initialize(loss, init, optax.adam(1e-3), config, sample_batch=batch, abstract=True)
+        timelines[stage] = explain.step_timeline(engine, state, batch)
+    moved = lambda stage, phase: sum(t.bytes for t in timelines[stage] if t.phase == phase)
+    # Stage 0: the gradients' all-reduce, nothing else. Stage 2: its two halves, the update between them.
+    assert {t.phase for t in timelines[0]} == {"gradient sync (all-reduce)"}
+    scatter, gather = moved(2, "gradient sync (reduce-scatter)"), moved(2, "all-gather of the updated parameters")
+    assert scatter == pytest.approx(gather) and scatter > 0
+    assert moved(0, "gradient sync (all-reduce)") == pytest.approx(scatter + gather, abs=64)  # + the loss
+    # Stage 3: every layer gathered for the forward pass, its gradient reduce-scattered in the backward.
+    layers = {"Dense_0", "Dense_1", "Dense_2"}
+    assert {t.row for t in timelines[3] if t.phase == "forward gather"} == layers
+    assert {t.row for t in timelines[3] if t.phase == "backward reduce-scatter"} == layers
+    order = [t.moment for t in timelines[3]]
+    assert order == sorted(order) and min(order) >= 0
+    last_forward = max(t.moment for t in timelines[3] if t.phase == "forward gather")
+    assert all(t.moment > last_forward for t in timelines[3] if t.phase.startswith("backward"))
+    assert "forward gather" in explain.format_timeline(timelines[3])

@@ -486,22 +486,28 @@ COLORS = {PARAMS: "#4c72b0", GRADS: "#dd8452", OPT: "#55a868", GATHERED: "#c44e5
           OTHER: "#937860", BATCH: "#da8bc3"}
 
 
+def _matplotlib():
+    """matplotlib's Figure, Patch and colormaps, used without pyplot (no global backend is touched: a
+    notebook's inline plots keep working). An optional dependency: say how to get it."""
+    try:
+        from matplotlib import colormaps
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as error:
+        raise RuntimeError("the figure needs matplotlib: pip install 'zeroflax[docs]'") from error
+    return Figure, Patch, colormaps
+
+
 def plot_layers(reports: list, path: str, title: str = "") -> None:
     """Stacked horizontal bars per row, one panel per report (ZeRO stage), written as a PNG. Host bytes
     are hatched."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError as error:  # an optional dependency: say how to get it
-        raise RuntimeError("the figure needs matplotlib: pip install 'zeroflax[docs]'") from error
+    Figure, Patch, _ = _matplotlib()
     rows = []
     for report in reports:
         rows += [r for r in report.rows if r not in rows and any(report.bytes.get(r, {}).values())]
     scale, unit = (2**20, "MiB") if max(r.total for r in reports) >= 8 * 2**20 else (2**10, "KiB")
-    fig, axes = plt.subplots(1, len(reports), figsize=(3.6 * len(reports) + 1.5, 0.32 * len(rows) + 1.8),
-                             sharex=True, sharey=True, squeeze=False)
+    fig = Figure(figsize=(3.6 * len(reports) + 1.5, 0.32 * len(rows) + 1.8))
+    axes = fig.subplots(1, len(reports), sharex=True, sharey=True, squeeze=False)
     for ax, report in zip(axes[0], reports):
         left = np.zeros(len(rows))
         for place in (DEVICE, HOST):
@@ -525,7 +531,6 @@ def plot_layers(reports: list, path: str, title: str = "") -> None:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.08 + 0.02 * (len(handles) > 8), 1, 1))
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -577,3 +582,30 @@ def cmd_explain(args) -> int:
             json.dump([r.to_dict() for r in reports], f, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def plot_timeline(timelines: dict, path: str, title: str = "") -> None:
+    """{label: [Transfer]} drawn as one strip each: the step's collectives in schedule order, bar height
+    the bytes moved, colour the part of the step, the layer written on the bar. PNG."""
+    Figure, Patch, colormaps = _matplotlib()
+    phases = list(dict.fromkeys(t.phase for transfers in timelines.values() for t in transfers))
+    palette = colormaps["tab10"]
+    color = {phase: palette(i % 10) for i, phase in enumerate(phases)}
+    width = max(len(t) for t in timelines.values())
+    fig = Figure(figsize=(max(7.0, 0.55 * width + 2), 2.1 * len(timelines) + 1.2))
+    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)
+    for ax, (label, transfers) in zip(axes[:, 0], timelines.items()):
+        kib = [t.bytes / 2**10 for t in transfers]
+        ax.bar(range(len(transfers)), kib, color=[color[t.phase] for t in transfers])
+        for i, t in enumerate(transfers):
+            ax.text(i, kib[i], t.row, rotation=90, ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(0, max(kib + [1e-9]) * 1.9)
+        ax.set_ylabel("KiB per device")
+        ax.set_title(label, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("the step's collectives, in XLA's schedule order")
+    fig.legend(handles=[Patch(color=color[p], label=p) for p in phases], loc="lower center",
+               ncol=min(3, len(phases)), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.02 + 0.03 * ((len(phases) + 2) // 3), 1, 1))
+    fig.savefig(path, dpi=120)
