@@ -155,6 +155,13 @@ def test_explain_command_writes_table_figure_and_json(tmp_path):
     assert [r["stage"] for r in reports] == [0, 3] and all(r["coverage"] >= 0.95 for r in reports)
     bad = run_cli("explain", "--stages", "4")
     assert bad.returncode != 0 and "--stages" in bad.stderr
+    # A stage the configuration refuses (1-bit Adam at stage 3) is reported, and the others still run.
+    onebit = run_cli("explain", "--gin_file", f"{ROOT}/experiments/gpt_tiny_onebit.gin",
+                     "--gin_param", "GPTConfig.num_layers = 2", "--gin_param", "GPTConfig.d_model = 32",
+                     "--gin_param", "GPTConfig.max_len = 16", "--gin_param", "TrainConfig.seq_len = 16",
+                     "--gin_param", "Config.micro_batch_size = 1", "--stages", "1,3", timeout=300)
+    assert onebit.returncode == 0, onebit.stderr[-3000:]
+    assert "ZeRO stage 3: refused" in onebit.stdout and "ZeRO stage 1, N=8" in onebit.stdout
 
 
 def test_step_timeline_shows_zero_inside_the_all_reduce():

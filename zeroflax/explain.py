@@ -238,7 +238,7 @@ def _owners(engine) -> _Owners:
         prefix = stacks.get(local)
         stacks[local] = path if prefix is None else os.path.commonpath([prefix, path])
     # A stack's row names: the stacked leaves' common path ("layers" where they have none in common).
-    stacks = {length: prefix if prefix not in paths else prefix.rsplit("/", 1)[0] for length, prefix in stacks.items()}
+    stacks = {length: prefix if prefix not in paths else prefix.rpartition("/")[0] for length, prefix in stacks.items()}
     stacks = {length: prefix or "layers" for length, prefix in stacks.items()}
     rows, by_path, grad_dims, by_dims = [], {}, set(), {}
     for path, p in zip(paths, placements):
@@ -323,6 +323,7 @@ class LayerMemory:
     peak_live: int  # arguments + XLA's working buffers live at the worst moment
     arguments_xla: int  # memory_analysis' argument bytes
     arguments: int = 0  # the state's and the batch's bytes charged from their shardings (should equal it)
+    unread: int = 0  # state bytes the step never reads (jit drops them from its arguments): not charged
 
     @property
     def charged(self) -> int:
@@ -347,14 +348,13 @@ class LayerMemory:
         return json.loads(json.dumps({
             "stage": self.stage, "data_size": self.data_size, "total": self.total, "charged": self.charged,
             "coverage": self.coverage, "peak_live": self.peak_live, "arguments_xla": self.arguments_xla,
-            "arguments": self.arguments,
+            "arguments": self.arguments, "unread": self.unread,
             "rows": {row: {f"{c}/{p}": b for (c, p), b in self.bytes.get(row, {}).items()} for row in self.rows}}))
 
     def __str__(self) -> str:
         unit, scale = ("MiB", 2**20) if self.total >= 8 * 2**20 else ("KiB", 2**10)
-        used = [c for c in CATEGORIES if any(b for (cat, _), b in _cells(self) if cat == c)]
-        places = [p for p in (DEVICE, HOST) if any(b for (_, where), b in _cells(self) if where == p)]
-        columns = [(c, p) for p in places for c in used]
+        filled = {cell for cell, b in _cells(self) if b}
+        columns = [(c, p) for p in (DEVICE, HOST) for c in CATEGORIES if (c, p) in filled]
         head = "".join(f"{(c if p == DEVICE else c + ' (host)')[:17]:>18}" for c, p in columns)
         lines = [f"memory per device by layer (ZeRO stage {self.stage}, N={self.data_size}), {unit}",
                  f"  {'row':<30}{head}{'total':>12}"]
@@ -369,10 +369,25 @@ class LayerMemory:
                      + f"{self.charged / scale:12.2f}")
         lines.append(f"  memory_analysis total {self.total / scale:.2f} {unit}: {self.coverage:.1%} charged above; "
                      f"the rest, {(self.total - self.charged) / scale:.2f} {unit}, is XLA's own (bytes no value occupies)")
+        if self.unread:
+            lines.append(f"  not charged: {self.unread / scale:.2f} {unit} of state this step never reads "
+                         "(not among its arguments)")
         lines.append(f"  live at the step's worst moment: {self.peak_live / scale:.2f} {unit} "
                      f"({self.peak_live / self.total:.1%} of the total; the rest is packing slack: regions "
                      "free then, needed at other moments)")
         return "\n".join(lines)
+
+
+_ARGUMENT = re.compile(r'=\s*\S+\s+parameter\(\d+\).*?op_name="([^"]*)"')
+
+
+def entry_arguments(hlo_text: str) -> set:
+    """The names jax gives the compiled step's arguments ("state.params['w']", "batch['x']"), read
+    from its entry parameters' metadata; empty where a jax version writes none."""
+    from zeroflax.comm import split_computations
+    body, entry = split_computations(hlo_text)
+    return {match.group(1).replace("\\'", "'") for line in body.get(entry, []) for match in [_ARGUMENT.search(line)]
+            if match}
 
 
 def _cells(report: LayerMemory):
@@ -399,17 +414,25 @@ def layer_report(engine, state, batch, phase: str | None = None) -> LayerMemory:
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
              - stats.alias_size_in_bytes)
 
+    # The arguments the compiled step takes, by name (jit drops the ones it never reads).
+    kept = entry_arguments(compiled.as_text())
     table: dict = {}
+    unread = 0
     categories = {"params": PARAMS, "compute_params": PARAMS, "model_state": PARAMS, "opt_state": OPT,
                   "sync_state": OPT, "pending_grads": GRADS, "step": OPT, "rng": OPT, "loss_scale": OPT}
     for field, category in categories.items():
         leaves = jax.tree_util.tree_flatten_with_path(getattr(abstract, field))[0]
         for key_path, leaf in leaves:
+            nbytes = shard_bytes(leaf, leaf.sharding)
+            if kept and f"state.{field}{jax.tree_util.keystr(key_path)}" not in kept:
+                unread += nbytes
+                continue
             path = _path(key_path)
             rows = owners.of_path(path) if field not in ("step", "rng", "loss_scale") else [(STEP, 1.0)]
-            _add(table, rows, category, _place(leaf.sharding), shard_bytes(leaf, leaf.sharding))
-    for leaf in jax.tree.leaves(batch_abs):
-        _add(table, [(BATCH_ROW, 1.0)], BATCH, DEVICE, shard_bytes(leaf, leaf.sharding))
+            _add(table, rows, category, _place(leaf.sharding), nbytes)
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(batch_abs)[0]:
+        if not kept or f"batch{jax.tree_util.keystr(key_path)}" in kept:
+            _add(table, [(BATCH_ROW, 1.0)], BATCH, DEVICE, shard_bytes(leaf, leaf.sharding))
     arguments = sum(sum(cells.values()) for cells in table.values())
 
     working = [a for a in allocations if a.working]
@@ -426,7 +449,7 @@ def layer_report(engine, state, batch, phase: str | None = None) -> LayerMemory:
     rows = [r for r in owners.rows if r in table] + [r for r in table if r not in owners.rows]
     return LayerMemory(stage=engine.config.zero_stage, data_size=engine.data_size, rows=rows, bytes=table,
                        total=total, peak_live=stats.argument_size_in_bytes + peak,
-                       arguments_xla=stats.argument_size_in_bytes, arguments=int(round(arguments)))
+                       arguments_xla=stats.argument_size_in_bytes, arguments=int(round(arguments)), unread=unread)
 
 
 # ---------------------------------------------------------------------------------- timeline
@@ -569,10 +592,18 @@ def cmd_explain(args) -> int:
     base, gpt, tc = Config(), GPTConfig(), TrainConfig()
     reports = []
     for stage in stages:
-        engine, state, batch = abstract_gpt_engine(gpt, base.replace(zero_stage=stage), make_optimizer(tc),
-                                                   tc.seq_len)
+        try:
+            engine, state, batch = abstract_gpt_engine(gpt, base.replace(zero_stage=stage), make_optimizer(tc),
+                                                       tc.seq_len)
+        except ConfigError as error:  # e.g. 1-bit Adam at stage 3: the other stages still say something
+            if len(stages) == 1:
+                raise
+            print(f"ZeRO stage {stage}: refused by this configuration: {str(error).splitlines()[0]}\n", flush=True)
+            continue
         reports.append(engine.memory_report(state, batch, by="layer"))
         print(reports[-1], "\n", flush=True)
+    if not reports:
+        raise ConfigError("--stages", f"this configuration refuses every stage in {args.stages!r}")
     if args.png:
         plot_layers(reports, args.png, f"GPT ({gpt.num_layers} layers, d_model {gpt.d_model}), "
                                        f"{args.devices} devices: memory per device by layer")
