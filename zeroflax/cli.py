@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import subprocess
 import sys
+import tokenize
 
 from zeroflax import estimate, explain, export, plan
-from zeroflax.distributed import DEVICES_ENV, launch_env
+from zeroflax.distributed import DEVICES_ENV, run_processes
 
 EXIT_USAGE = 2
 
@@ -42,11 +42,39 @@ def _parse_gin(files, bindings):
     for path in files:
         if not os.path.isfile(path):
             raise ConfigError("--gin_file", f"{path} does not exist")
+    for flag, text, where in ([("--gin_file", open(path).read(), path) for path in files]
+                              + [("--gin_param", binding, repr(binding)) for binding in bindings]):
+        imports = _gin_imports(text, where, set())
+        if imports:
+            raise ConfigError(flag, f"{imports[0]}: gin import statements are refused (an import runs the module's "
+                              "code; a gin file is configuration)", "zeroflax's configurables need no import: "
+                              "remove the line, or import the module in your own Python code")
     try:
         gin.parse_config_files_and_bindings(files, bindings)
-    except ValueError as error:
+    except (ValueError, SyntaxError, tokenize.TokenError) as error:  # malformed gin, unknown names
         first = " ".join(str(error).split("\n")[0:1])
         raise ConfigError("--gin_param" if bindings else "--gin_file", f"gin: {first}") from error
+
+
+def _gin_imports(text: str, where: str, seen: set) -> list[str]:
+    """The `import` statements of gin text and of the files it includes ('where: import module'). Text
+    gin cannot parse yields none here: gin's own parse then reports the error."""
+    import gin
+    from gin import config_parser
+
+    found = []
+    try:
+        for statement in config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True)):
+            if isinstance(statement, config_parser.ImportStatement):
+                found.append(f"{where}: import {statement.module}")
+            elif isinstance(statement, config_parser.IncludeStatement) and statement.filename not in seen:
+                seen.add(statement.filename)
+                if os.path.isfile(statement.filename):
+                    with open(statement.filename) as f:
+                        found += _gin_imports(f.read(), statement.filename, seen)
+    except Exception:  # noqa: BLE001 (malformed gin: the real parse below says what is wrong)
+        return found
+    return found
 
 
 def cmd_train(args) -> int:
@@ -64,7 +92,7 @@ def cmd_train(args) -> int:
         config, model_config = job.config, job.model_config
         imported = {"optimizer": job.optimizer, "schedule": job.schedule}
     train(tc, config, model_config, resume=args.resume, stop_at=args.stop_at, progress=not args.no_progress,
-          **imported)
+          overwrite=args.overwrite, **imported)
     return 0
 
 
@@ -101,12 +129,7 @@ def cmd_launch(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise SystemExit("zeroflax launch: give the command after --, e.g. zeroflax launch --nproc 2 -- zeroflax train ...")
-    port = args.port or _free_port()
-    processes = [subprocess.Popen(command, env=launch_env(i, args.nproc, port, args.devices_per_process))
-                 for i in range(args.nproc)]
-    codes = [p.wait() for p in processes]
-    failed = [c for c in codes if c != 0]
-    return failed[0] if failed else 0
+    return run_processes(command, args.nproc, args.port or _free_port(), args.devices_per_process)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
     train.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. 'Config.zero_stage = 2'")
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="remove an earlier run in the workdir (checkpoints, metrics, TensorBoard) and start anew")
     train.add_argument("--stop_at", type=int, default=None, help="stop (with a checkpoint) after this step")
     train.add_argument("--cpu_devices", type=int, default=8, help="simulated CPU devices per process (default 8)")
     train.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -154,11 +179,15 @@ def main(argv=None) -> int:
     from zeroflax.checkpoint import CheckpointError
     from zeroflax.config import ConfigError
     from zeroflax.data import DataError
+    from zeroflax.train import NonFiniteError
     try:
         return args.run(args)
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"zeroflax: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except NonFiniteError as error:  # the run, not its input: its own status
+        print(f"zeroflax: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("zeroflax: interrupted", file=sys.stderr)
         return 130

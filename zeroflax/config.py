@@ -271,6 +271,13 @@ class Config:
     offload_param: ZeRO-3 parameter offload (see OffloadParamConfig).
     logical_rules: logical axis name -> mesh axis name (or None), for leaves that carry logical names.
     seed: seeds the per-step rng handed to the loss function.
+    nonfinite: with 'fp32' or 'bf16' (fp16 has its loss scaler), what a step with a non-finite gradient
+        (NaN, inf: bad data, a diverged loss) does; the engine reports it as metrics['nonfinite'].
+        'error' (default): `zeroflax train` stops at its next log or checkpoint, naming the step, and
+        writes nothing after it: its newest checkpoint is untouched. 'skip': the step keeps the old
+        parameters and optimizer state (metrics['skipped']) and training goes on, counting such steps
+        (`skipped_steps`); like fp16's loss scaling, it keeps the old and the new model states alive
+        together during the update. Neither ever writes non-finite parameters into a checkpoint.
     """
 
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -294,6 +301,7 @@ class Config:
     offload_param: OffloadParamConfig = dataclasses.field(default_factory=OffloadParamConfig)
     logical_rules: tuple = DEFAULT_LOGICAL_RULES
     seed: int = 0
+    nonfinite: str = "error"
 
     def __post_init__(self):
         _require(isinstance(self.mesh, MeshConfig), "Config.mesh",
@@ -304,6 +312,8 @@ class Config:
                  f"must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         _require(self.precision in PRECISIONS, "Config.precision",
                  f"unknown precision {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        _require(self.nonfinite in ("error", "skip"), "Config.nonfinite",
+                 f"must be 'error' or 'skip', got {self.nonfinite!r}")
         _require(_is_int(self.micro_batch_size) and self.micro_batch_size >= 1, "Config.micro_batch_size",
                  f"must be a positive integer, got {self.micro_batch_size!r}")
         _require(_is_int(self.grad_accum_steps) and self.grad_accum_steps >= 1, "Config.grad_accum_steps",

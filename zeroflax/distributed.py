@@ -8,10 +8,18 @@ cluster's own variables. On the CPU, processes talk through gloo collectives; on
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 COORDINATOR = "ZEROFLAX_COORDINATOR"
 NUM_PROCESSES = "ZEROFLAX_NUM_PROCESSES"
 PROCESS_ID = "ZEROFLAX_PROCESS_ID"
+# Seconds without a heartbeat before jax's distributed runtime declares a process lost and ends the
+# others (jax's own default is 100): a dead peer never leaves the rest waiting in a collective.
+HEARTBEAT_ENV = "ZEROFLAX_HEARTBEAT_TIMEOUT"
+DEFAULT_HEARTBEAT_S = 30
 
 
 def _cluster_size() -> int:
@@ -27,13 +35,17 @@ def maybe_initialize() -> bool:
 
     if COORDINATOR in os.environ:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=os.environ[COORDINATOR],
+        address = os.environ[COORDINATOR]
+        # The coordinator listens on the address it was given (127.0.0.1 from `zeroflax launch`), not on
+        # every interface, jax's default: a local job is not reachable from the network.
+        jax.distributed.initialize(coordinator_address=address, coordinator_bind_address=address,
                                    num_processes=int(os.environ[NUM_PROCESSES]),
-                                   process_id=int(os.environ[PROCESS_ID]))
+                                   process_id=int(os.environ[PROCESS_ID]),
+                                   heartbeat_timeout_seconds=heartbeat_timeout())
         return True
     if _cluster_size() > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout())
         return True
     return False
 
@@ -48,3 +60,51 @@ def launch_env(process_id: int, num_processes: int, port: int, devices_per_proce
 
 # Simulated CPU devices per process (the CLI turns it into XLA_FLAGS before jax is imported).
 DEVICES_ENV = "ZEROFLAX_CPU_DEVICES"
+
+
+def heartbeat_timeout() -> int:
+    from zeroflax.config import ConfigError
+    value = os.environ.get(HEARTBEAT_ENV, str(DEFAULT_HEARTBEAT_S))
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(HEARTBEAT_ENV, f"must be a positive number of seconds, got {value!r}")
+    return int(value)
+
+
+def run_processes(command: list, num_processes: int, port: int, devices_per_process: int | None,
+                  grace_s: float = 10.0, poll_s: float = 0.2) -> int:
+    """`zeroflax launch`: run `command` as processes 0..N-1 of one job and wait for them. When one fails,
+    the others are stopped (SIGTERM, SIGKILL after `grace_s`) rather than left waiting for it, and its
+    status is returned (128 + the signal for a killed process, as shells report it); 0 when all succeed."""
+    processes = [subprocess.Popen(command, env=launch_env(i, num_processes, port, devices_per_process))
+                 for i in range(num_processes)]
+    try:
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                index, code = failed[0]
+                how = (f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}")
+                running = sum(c is None for c in codes)
+                print(f"zeroflax launch: process {index} {how}"
+                      + (f"; stopping the other {running}" if running else ""), file=sys.stderr, flush=True)
+                _stop(processes, grace_s)
+                return 128 - code if code < 0 else code
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(poll_s)
+    except BaseException:  # Ctrl-C, or launch itself killed by an exception: take the job down with it
+        _stop(processes, grace_s)
+        raise
+
+
+def _stop(processes, grace_s: float) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.time() + grace_s
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -186,6 +186,8 @@ class Engine:
              "compresses", "use zero_stage 0, 1 or 2"),
             (config.precision == "fp16", "Config.precision", "a step skipped on an fp16 overflow would have to "
              "roll back every device's error buffers, which is not built", "use 'bf16' or 'fp32'"),
+            (config.nonfinite == "skip", "Config.nonfinite", "a skipped step would have to roll back every "
+             "device's error buffers, which is not built", "use 'error'"),
             (plan.offload, "OffloadOptimizerConfig.device", "1-bit Adam with offload is not built",
              "set OffloadOptimizerConfig.device='none'"),
             (pipe_size(self.mesh) > 1, f"MeshConfig.axes['{PIPE_AXIS}']", "1-bit Adam under a pipeline is not built",
@@ -525,25 +527,28 @@ class Engine:
     # ------------------------------------------------------------------------------- train step
     def _update(self, params, opt_state, grads, apply=None, momentum=None):
         """(params, opt_state, grad_norm, finite): clip, `optimizer.update` and apply, on shards. The step
-        is skipped (the old values kept) when the gradient is not finite (fp16) or `apply` is False.
+        is skipped (the old values kept) when `apply` is False, and when its gradient is not finite under
+        fp16 or Config.nonfinite = 'skip' (`skips_nonfinite`).
         1-bit Adam's compressed phases pass `momentum` = (the exchanged momentum, the gradient norm)."""
         config = self.config
-        fp16 = config.precision == "fp16"
         if momentum is not None:
             momentum, grad_norm = momentum
             updates, new_opt_state = self.optimizer.update(momentum, opt_state, params, momentum=momentum)
-            return optax.apply_updates(params, updates), new_opt_state, grad_norm, True
-        grad_norm = global_norm(grads)
-        finite = jnp.isfinite(grad_norm) if fp16 else True
-        if config.grad_clip > 0:
-            grads = clip_to(grads, grad_norm, config.grad_clip)  # so a clipped step equals optax's chain
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        else:
+            grad_norm = global_norm(grads)
+            if config.grad_clip > 0:
+                grads = clip_to(grads, grad_norm, config.grad_clip)  # so a clipped step equals optax's chain
+            updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        if fp16 or apply is not None:
-            take = finite if apply is None else apply & finite
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(take, a, b), new, old)
-            new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
-        return new_params, new_opt_state, grad_norm, finite
+        finite = jnp.isfinite(grad_norm)
+        if not self.skips_nonfinite and apply is None:
+            return new_params, new_opt_state, grad_norm, finite
+        # The step is applied only if its gradient is finite (and `apply`). Selecting between the old and
+        # the new state keeps both alive through the update (XLA cannot update in place): fp16's loss
+        # scaling and Config.nonfinite = 'skip' pay that; 'error' stops the run instead (train.py).
+        take = finite if apply is None else apply & finite
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(take, a, b), new, old)
+        return keep(new_params, params), keep(new_opt_state, opt_state), grad_norm, finite
 
     def _train_step(self, state: TrainState, batch, phase: str = "steady"):
         """One step. `phase` (static; picked on the host by `step`): 'steady'; with offload's delayed
@@ -575,6 +580,8 @@ class Engine:
                 params, opt_state, grad_norm, finite = self._update(params_view, state.opt_state, grads,
                                                                     momentum=momentum)
                 finite = jnp.asarray(finite)
+                # On shards first: else XLA gathers the select's operands and the updated parameters apart.
+                params = jax.lax.with_sharding_constraint(params, plan.grads)
                 params = jax.lax.with_sharding_constraint(params, plan.params)
                 opt_state = jax.lax.with_sharding_constraint(opt_state, plan.opt_state)
         loss_scale = update_loss_scale(state.loss_scale, ~finite, config.loss_scale, dynamic_scaling)
@@ -582,10 +589,17 @@ class Engine:
                                loss_scale=loss_scale, rng=state.rng, model_state=model_state,
                                compute_params=compute, pending_grads=pending,
                                sync_state=sync_state if sync_state is not None else state.sync_state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": ~finite}
+        # nonfinite: the gradient was NaN or inf; skipped: so its update was not applied (fp16, 'skip').
+        skipped = ~finite if self.skips_nonfinite else jnp.zeros((), bool)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped, "nonfinite": ~finite}
         if aux is not None:
             metrics["aux"] = aux
         return new_state, metrics
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        """Whether a step with a non-finite gradient is skipped in the step itself (fp16; nonfinite 'skip')."""
+        return self.config.precision == "fp16" or self.config.nonfinite == "skip"
 
     @property
     def phases(self) -> tuple[str, ...]:

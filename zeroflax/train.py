@@ -20,11 +20,13 @@ import numpy as np
 import optax
 
 import zeroflax
+from zeroflax import workdir
 from zeroflax.checkpoint import Checkpointer
 from zeroflax.config import Config, ConfigError, configurable
 from zeroflax.data import TokenLoader, load_tokens, train_val_split, validation_batches
 from zeroflax.generate import generate_text
 from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
+from zeroflax.optim.clipping import all_finite
 from zeroflax.optim.onebit import onebit_adam
 
 OPTIMIZERS = ("adamw", "onebit_adam")
@@ -155,6 +157,10 @@ def applied_updates(state, default: int):
     return jax.numpy.asarray(int(counts[0][1]) if counts else default, jax.numpy.int32)  # int(): it may be on the host
 
 
+class NonFiniteError(RuntimeError):
+    """Training stopped at a non-finite step (Config.nonfinite = 'error'); the message names the step."""
+
+
 class MetricsLog:
     """metrics.jsonl (one JSON object per line, flushed) and, if tensorboardX is present, TensorBoard."""
 
@@ -196,26 +202,46 @@ def validation_bits_per_byte(engine, state, val_tokens, tc: TrainConfig) -> floa
 
 def train(tc: TrainConfig | None = None, config: Config | None = None, model_config: GPTConfig | None = None, *,
           resume: bool = False, stop_at: int | None = None, progress: bool = True,
-          optimizer: optax.GradientTransformation | None = None, schedule=None) -> dict:
+          optimizer: optax.GradientTransformation | None = None, schedule=None, overwrite: bool = False) -> dict:
     """Run (or resume) training; returns a summary (validation bits per byte, final loss, sample).
+
+    resume: continue the run in `tc.workdir` from its newest checkpoint; overwrite: remove an earlier run
+        there first. Without either, a workdir holding a run is refused (zeroflax/workdir.py).
 
     optimizer: replaces make_optimizer(tc), e.g. the one `zeroflax.from_deepspeed` imported.
     schedule: the learning rate as a function of the applied-update count; each metrics row then has the
         "lr" its step used (a step skipped on an fp16 overflow does not advance it, as in DeepSpeed).
     """
-    from tqdm.auto import tqdm
-
     tc, config, model_config = tc or TrainConfig(), config or Config(), model_config or GPTConfig()
     is_main = jax.process_index() == 0
     say = print if is_main else (lambda *a, **k: None)
     if model_config.max_len < tc.seq_len:
         raise ConfigError("GPTConfig.max_len", f"{model_config.max_len} is shorter than TrainConfig.seq_len "
                           f"{tc.seq_len}", "raise max_len or lower seq_len")
+    # One run per workdir (a lock the kernel drops when the process ends), and an earlier run is
+    # continued only with --resume, replaced only with --overwrite (zeroflax/workdir.py).
+    if resume and overwrite:
+        raise ConfigError("--overwrite", "contradicts --resume", "pass one of them")
+    with workdir.WorkdirLock(tc.workdir, jax.process_index()):
+        return _train_in(tc, config, model_config, resume=resume, overwrite=overwrite, stop_at=stop_at,
+                         progress=progress, optimizer=optimizer, schedule=schedule, is_main=is_main, say=say)
+
+
+def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress, optimizer, schedule, is_main,
+              say) -> dict:
+    """`train`, in a workdir it holds."""
+    from tqdm.auto import tqdm
+
     tokens = load_tokens(tc.data)
     if int(tokens.max()) >= model_config.vocab_size:
         raise ConfigError("GPTConfig.vocab_size", f"the data holds token id {int(tokens.max())}, but the vocabulary "
                           f"has {model_config.vocab_size} entries")
     train_tokens, val_tokens = train_val_split(tokens, tc.val_fraction, min_tokens=tc.seq_len + 1)
+    # The data is good: now an earlier run may be refused, or removed for --overwrite.
+    workdir.prepare(tc.workdir, resume, overwrite, is_main)
+    if overwrite and jax.process_count() > 1:  # the others wait until the main process has removed it
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("zeroflax: earlier run removed")
 
     model = GPT(model_config)
     sample = {"tokens": np.zeros((1, tc.seq_len + 1), np.int32)}
@@ -227,15 +253,13 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
     index, count = engine.batch_share()
     loader = TokenLoader(train_tokens, tc.seq_len, engine.train_batch_size, seed=config.seed,
                          process_index=index, process_count=count)
-    os.makedirs(tc.workdir, exist_ok=True)
     checkpoints = Checkpointer(os.path.join(tc.workdir, "checkpoints"), every=tc.checkpoint_every,
                                keep=tc.keep_checkpoints, asynchronous=tc.async_checkpointing)
     meta = {"model": model_config.to_dict(), "train": dataclasses.asdict(tc),
             "config": json.loads(json.dumps(config.to_dict(), default=str))}
     latest = checkpoints.latest_step()
-    if latest is not None and not resume:
-        raise ConfigError("TrainConfig.workdir", f"{tc.workdir} holds checkpoints of an earlier run (newest: step "
-                          f"{latest})", "pass --resume to continue it, or choose another workdir")
+    if resume and is_main:  # the steps after the checkpoint run again: log them once
+        workdir.truncate_metrics(tc.workdir, latest if latest is not None else -1)
     if resume and latest is not None:
         state, data_state, old_meta = checkpoints.restore(latest, state, engine.state_shardings)
         started_from = old_meta.get("train", {}).get("init_from", "")
@@ -276,6 +300,11 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
     # the schedule's count: the optimizer state's own count, which skipped fp16 steps leave alone.
     applied = applied_updates(state, start) if schedule is not None else None
     warned_min_scale = False
+    # fp32/bf16 (Config.nonfinite): the first step with a non-finite gradient and the steps skipped, counted
+    # on the device (no wait); fp16's skipped steps are its loss scaler's business.
+    watch = config.precision != "fp16"
+    first_bad = skipped_steps = jax.numpy.zeros((), jax.numpy.int32)
+    finite_params = jax.jit(all_finite)
     for step in range(start, end):
         if batch is None:
             batch = loader.next_batch()
@@ -284,12 +313,37 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
         done = step + 1
         if schedule is not None:
             count, applied = applied, applied + (~metrics["skipped"]).astype(jax.numpy.int32)
-        if done % tc.log_every == 0 or done == end:
+        logging_now = done % tc.log_every == 0 or done == end
+        saving_now = done % tc.checkpoint_every == 0 or done == end
+        if watch:
+            skipped_steps = skipped_steps + metrics["skipped"].astype(jax.numpy.int32)
+            first_bad = jax.numpy.where((first_bad == 0) & metrics["nonfinite"], done, first_bad)
+            # Checked where the loop waits anyway: at log points and before a checkpoint. A checkpoint is
+            # never written with non-finite parameters (an update that overflowed on finite gradients).
+            problem = None
+            if config.nonfinite == "error" and (logging_now or saving_now) and int(first_bad):
+                problem = (f"step {int(first_bad)}: the gradients are not finite (NaN or inf), and training stopped "
+                           "(Config.nonfinite = 'error')")
+            elif saving_now and not bool(finite_params(state.params)):
+                problem = f"step {done}: the updated parameters are not finite (NaN or inf), so they are not saved"
+            if problem:
+                bar.close()
+                checkpoints.close()  # an earlier step's save in flight completes
+                metrics_log.close()
+                newest = checkpoints.latest_step()
+                raise NonFiniteError(
+                    problem + ". " + (f"The newest checkpoint, step {newest}, is as it was. " if newest is not None
+                                      else "No checkpoint was written. ")
+                    + "Lower the learning rate, look for bad values in the data, or set Config.nonfinite = 'skip' "
+                    "to step over such batches")
+        if logging_now:
             loss = float(metrics["loss"])  # waits for the step
             now = time.perf_counter()
             tokens_per_s = (done - last_step) * tokens_per_step / (now - last_time)
             last_time, last_step = now, done
             extra = {} if schedule is None else {"lr": float(schedule(count))}
+            if watch:
+                extra.update(nonfinite=bool(metrics["nonfinite"]), skipped_steps=int(skipped_steps))
             metrics_log.write(done, loss=loss, grad_norm=float(metrics["grad_norm"]),
                               loss_scale=float(metrics["loss_scale"]), skipped=bool(metrics["skipped"]),
                               tokens_per_s=tokens_per_s, **extra)

@@ -1,4 +1,4 @@
-"""The gradient's global L2 norm and optax.clip_by_global_norm's rule, shared by the engine's update and
+"""The gradient's global L2 norm, optax.clip_by_global_norm's rule and a finiteness check, shared by the engine's update and
 1-bit Adam's sync (which clips each device's local gradient)."""
 from __future__ import annotations
 
@@ -18,3 +18,9 @@ def clip_to(tree, norm, max_norm: float):
     """`tree` (whose global norm is `norm`) scaled to at most `max_norm`, as optax.clip_by_global_norm does."""
     factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
     return jax.tree.map(lambda g: (g * factor).astype(g.dtype), tree)
+
+
+def all_finite(tree):
+    """True where every element of every leaf is finite (one scalar; the reduction runs on shards). No
+    device constant, as in global_norm."""
+    return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
