@@ -44,16 +44,22 @@ def _parse_gin(files, bindings):
             raise ConfigError("--gin_file", f"{path} does not exist")
     for flag, text, where in ([("--gin_file", open(path).read(), path) for path in files]
                               + [("--gin_param", binding, repr(binding)) for binding in bindings]):
-        imports = _gin_imports(text, where, set())
+        try:
+            imports = _gin_imports(text, where, set())
+        except _MissingInclude as error:
+            raise ConfigError(flag, str(error), "gin includes are relative to the directory zeroflax runs in") from None
         if imports:
             raise ConfigError(flag, f"{imports[0]}: gin import statements are refused (an import runs the module's "
                               "code; a gin file is configuration)", "zeroflax's configurables need no import: "
                               "remove the line, or import the module in your own Python code")
-    try:
-        gin.parse_config_files_and_bindings(files, bindings)
-    except (ValueError, SyntaxError, tokenize.TokenError) as error:  # malformed gin, unknown names
-        first = " ".join(str(error).split("\n")[0:1])
-        raise ConfigError("--gin_param" if bindings else "--gin_file", f"gin: {first}") from error
+    # Files, then bindings (gin's own order), parsed apart so an error names the flag at fault.
+    for flag, args, where in (("--gin_file", (files, None), files), ("--gin_param", (None, bindings), bindings)):
+        try:
+            gin.parse_config_files_and_bindings(*args, finalize_config=flag == "--gin_param")
+        except (ValueError, SyntaxError, tokenize.TokenError) as error:  # malformed gin, unknown names
+            first = " ".join(str(error).split("\n")[0:1])
+            located = any(os.path.basename(str(w)) in first for w in where)
+            raise ConfigError(flag, f"gin: {first}" + ("" if located else f" (in {', '.join(map(str, where))})")) from error
 
 
 def _gin_imports(text: str, where: str, seen: set) -> list[str]:
@@ -69,12 +75,19 @@ def _gin_imports(text: str, where: str, seen: set) -> list[str]:
                 found.append(f"{where}: import {statement.module}")
             elif isinstance(statement, config_parser.IncludeStatement) and statement.filename not in seen:
                 seen.add(statement.filename)
-                if os.path.isfile(statement.filename):
-                    with open(statement.filename) as f:
-                        found += _gin_imports(f.read(), statement.filename, seen)
+                if not os.path.isfile(statement.filename):  # gin itself fails on it with a TypeError
+                    raise _MissingInclude(f"{where}: include '{statement.filename}': no such file")
+                with open(statement.filename) as f:
+                    found += _gin_imports(f.read(), statement.filename, seen)
+    except _MissingInclude:
+        raise
     except Exception:  # noqa: BLE001 (malformed gin: the real parse below says what is wrong)
         return found
     return found
+
+
+class _MissingInclude(Exception):
+    pass
 
 
 def cmd_train(args) -> int:
@@ -128,12 +141,21 @@ def _free_port() -> int:
 def cmd_launch(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise SystemExit("zeroflax launch: give the command after --, e.g. zeroflax launch --nproc 2 -- zeroflax train ...")
+        from zeroflax.config import ConfigError
+        raise ConfigError("zeroflax launch", "give the command after --, e.g. zeroflax launch --nproc 2 -- zeroflax "
+                          "train ...")
     return run_processes(command, args.nproc, args.port or _free_port(), args.devices_per_process)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported as every other input error: one line, exit status 2."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"zeroflax: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zeroflax", description="DeepSpeed's ZeRO training, natively in JAX.")
+    parser = _Parser(prog="zeroflax", description="DeepSpeed's ZeRO training, natively in JAX.")
     sub = parser.add_subparsers(dest="command_name", required=True)
 
     train = sub.add_parser("train", help="train the GPT from gin configs")

@@ -144,6 +144,19 @@ def export_safetensors(checkpoint_dir: str, out_path: str, *, step: int | None =
             "bytes": int(sum(v.nbytes for v in tensors.values()))}
 
 
+def check_safetensors(path: str, key: str) -> None:
+    """A ConfigError naming `key` unless `path` is a readable safetensors file (its header only)."""
+    from safetensors import safe_open
+
+    from zeroflax.config import ConfigError
+    try:
+        with safe_open(path, framework="np") as f:
+            f.keys()
+    except Exception as error:  # safetensors raises its own error types for a damaged file
+        raise ConfigError(key, f"{path} is not a readable safetensors file ({type(error).__name__}: {error})",
+                          "give a file written by zeroflax export") from error
+
+
 def load_safetensors(path: str, abstract_params: Any, *, stacked=None, cast: bool = False):
     """The parameter tree (host numpy arrays, the structure of `abstract_params`) of a file written by
     `export_safetensors`, its per-layer tensors stacked again.

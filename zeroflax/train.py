@@ -21,9 +21,9 @@ import optax
 
 import zeroflax
 from zeroflax import workdir
-from zeroflax.checkpoint import Checkpointer
+from zeroflax.checkpoint import Checkpointer, CheckpointError
 from zeroflax.config import Config, ConfigError, configurable
-from zeroflax.data import TokenLoader, load_tokens, train_val_split, validation_batches
+from zeroflax.data import DataError, TokenLoader, load_tokens, train_val_split, validation_batches
 from zeroflax.generate import generate_text
 from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
 from zeroflax.optim.clipping import all_finite
@@ -236,8 +236,14 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
     if int(tokens.max()) >= model_config.vocab_size:
         raise ConfigError("GPTConfig.vocab_size", f"the data holds token id {int(tokens.max())}, but the vocabulary "
                           f"has {model_config.vocab_size} entries")
-    train_tokens, val_tokens = train_val_split(tokens, tc.val_fraction, min_tokens=tc.seq_len + 1)
-    # The data is good: now an earlier run may be refused, or removed for --overwrite.
+    try:
+        train_tokens, val_tokens = train_val_split(tokens, tc.val_fraction, min_tokens=tc.seq_len + 1)
+    except DataError as error:
+        raise DataError(f"TrainConfig.data {tc.data!r}: {error}") from error
+    if tc.init_from:  # readable, before --overwrite removes anything
+        from zeroflax.export import check_safetensors
+        check_safetensors(tc.init_from, "TrainConfig.init_from")
+    # The inputs are good: now an earlier run may be refused, or removed for --overwrite.
     workdir.prepare(tc.workdir, resume, overwrite, is_main)
     if overwrite and jax.process_count() > 1:  # the others wait until the main process has removed it
         from jax.experimental import multihost_utils
@@ -258,10 +264,11 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
     meta = {"model": model_config.to_dict(), "train": dataclasses.asdict(tc),
             "config": json.loads(json.dumps(config.to_dict(), default=str))}
     latest = checkpoints.latest_step()
-    if resume and is_main:  # the steps after the checkpoint run again: log them once
-        workdir.truncate_metrics(tc.workdir, latest if latest is not None else -1)
     if resume and latest is not None:
         state, data_state, old_meta = checkpoints.restore(latest, state, engine.state_shardings)
+        if int(state.step) != latest:
+            raise CheckpointError(f"checkpoint {checkpoints.directory}/{latest} holds step {int(state.step)}: its "
+                                  "directory was renamed or its contents replaced; resume from an intact checkpoint")
         started_from = old_meta.get("train", {}).get("init_from", "")
         if tc.init_from and started_from != tc.init_from:  # which parameters would the user mean?
             raise ConfigError("TrainConfig.init_from", f"the run in {tc.workdir} started from "
@@ -274,6 +281,8 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
             say(note)
     elif resume and not tc.init_from:
         say(f"no checkpoint in {checkpoints.directory}: starting from scratch")
+    if resume and is_main:  # restored (or none to restore): the steps after it run again, logged once
+        workdir.truncate_metrics(tc.workdir, latest if latest is not None else -1)
     if tc.init_from and not (resume and latest is not None):  # a resumed run's checkpoint already holds them
         from zeroflax.export import initialize_from_safetensors
         state = initialize_from_safetensors(engine, state, tc.init_from)
