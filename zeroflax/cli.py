@@ -63,8 +63,9 @@ def _parse_gin(files, bindings):
 
 
 def _gin_imports(text: str, where: str, seen: set) -> list[str]:
-    """The `import` statements of gin text and of the files it includes ('where: import module'). Text
-    gin cannot parse yields none here: gin's own parse then reports the error."""
+    """The `import` statements of gin text and of the files it includes ('where: import module'); an
+    include of a missing file raises _MissingInclude. Text gin cannot parse yields none here: gin's own
+    parse then reports the error."""
     import gin
     from gin import config_parser
 
@@ -87,7 +88,7 @@ def _gin_imports(text: str, where: str, seen: set) -> list[str]:
 
 
 class _MissingInclude(Exception):
-    pass
+    """A gin `include` that names no file (gin itself fails on it with a TypeError)."""
 
 
 def cmd_train(args) -> int:
