@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.soak import TINY, bindings, env  # noqa: E402
-from zeroflax.distributed import launch_env  # noqa: E402
+from zeroflax.distributed import launch_env, launched_processes  # noqa: E402
 
 
 def train_args(workdir: str) -> list[str]:
@@ -46,29 +46,13 @@ def wait_for_checkpoint(workdir: str, alive, timeout: float = 300) -> None:
     raise SystemExit("no checkpoint within the timeout")
 
 
-def children_of(pid: int) -> dict:
-    """{ZEROFLAX_PROCESS_ID: pid} of `pid`'s children, from /proc."""
-    found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != pid:
-                    continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                variables = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-            found[int(variables[b"ZEROFLAX_PROCESS_ID"])] = int(entry)
-        except (OSError, KeyError, ValueError, IndexError):
-            continue
-    return found
-
-
 def under_launch(n: int, base: str) -> dict:
     workdir, log = os.path.join(base, f"launch{n}"), open(os.path.join(base, f"launch{n}.log"), "w+")
     launch = subprocess.Popen([sys.executable, "-m", "zeroflax", "launch", "--nproc", str(n), "--devices_per_process",
                                str(8 // n), "--", sys.executable, *train_args(workdir)], cwd=ROOT, env=env(),
                               stdout=subprocess.DEVNULL, stderr=log)
     wait_for_checkpoint(workdir, lambda: launch.poll() is None)
-    victim = children_of(launch.pid)[n - 1]
+    victim = launched_processes(launch.pid)[n - 1]
     os.kill(victim, signal.SIGKILL)
     killed = time.time()
     code = launch.wait(timeout=300)

@@ -16,6 +16,7 @@ import zeroflax
 from cli_helpers import ROOT, TINY, tiny_bindings, zeroflax as run_cli
 from models import MLP, linen_case
 from zeroflax.config import ConfigError
+from zeroflax.distributed import launched_processes
 from zeroflax.workdir import WorkdirLock, earlier_run, prepare, truncate_metrics
 
 
@@ -208,25 +209,6 @@ def test_no_data_or_checkpoint_path_unpickles(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- lost processes
-def _children(pid: int) -> dict:
-    """{process index: pid} of `zeroflax launch`'s children, read from /proc (their ZEROFLAX_PROCESS_ID)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            if parent != pid:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            found[int(env[b"ZEROFLAX_PROCESS_ID"])] = int(entry)
-        except (OSError, KeyError, ValueError, IndexError):
-            continue
-    return found
-
-
 def test_a_lost_process_ends_the_job_promptly_and_the_checkpoint_resumes(tmp_path):
     """Two processes training; process 1 is SIGKILLed mid-run. `launch` names it, stops process 0 and fails
     within seconds (the issue's bound: 60), and the newest checkpoint resumes."""
@@ -244,7 +226,7 @@ def test_a_lost_process_ends_the_job_promptly_and_the_checkpoint_resumes(tmp_pat
         while time.time() < deadline and not (checkpoints.is_dir() and any(d.isdigit() for d in os.listdir(checkpoints))):
             assert launch.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
             time.sleep(0.2)
-        children = _children(launch.pid)
+        children = launched_processes(launch.pid)
         assert sorted(children) == [0, 1], children
         os.kill(children[1], signal.SIGKILL)
         killed = time.time()
@@ -258,7 +240,7 @@ def test_a_lost_process_ends_the_job_promptly_and_the_checkpoint_resumes(tmp_pat
     print(f"launch returned {code} {took:.1f} s after process 1 was killed")
     assert code == 128 + signal.SIGKILL and took <= 60, (code, took, stderr[-2000:])
     assert "zeroflax launch: process 1 was killed by SIGKILL; stopping the other 1" in stderr
-    assert all(p not in _children(launch.pid).values() for p in children.values())
+    assert all(p not in launched_processes(launch.pid).values() for p in children.values())
     newest = max(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
     resumed = run_cli("train", "--gin_file", TINY,
                       *tiny_bindings(workdir, steps=newest + 2, **{"TrainConfig.checkpoint_every": 2}),

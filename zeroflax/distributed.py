@@ -108,3 +108,20 @@ def _stop(processes, grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def launched_processes(launch_pid: int) -> dict[int, int]:
+    """{process index: pid} of the processes a `zeroflax launch` (pid `launch_pid`) started, read from
+    Linux's /proc (their ZEROFLAX_PROCESS_ID): for tools and tests that kill one on purpose."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != launch_pid:
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                variables = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            found[int(variables[PROCESS_ID.encode()])] = int(entry)
+        except (OSError, KeyError, ValueError, IndexError):  # gone meanwhile, or not ours
+            continue
+    return found

@@ -43,8 +43,9 @@ import tempfile
 import jax
 import numpy as np
 
+from zeroflax.comm import _OP_NAME
 from zeroflax.sharding.policy import shard_bytes
-from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE, GROUP_SCOPE, LAYERS_SCOPE, SCOPE_END, UPDATE_SCOPE
+from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE, GROUP_NAME, LAYERS_SCOPE, SCOPE_END, UPDATE_SCOPE
 
 PARAMS, GRADS, OPT = "parameters", "gradients", "optimizer state"
 GATHERED, SAVED, OTHER, BATCH = "gathered weights", "saved activations", "other temporaries", "batch"
@@ -88,7 +89,6 @@ _ASSIGNED = re.compile(r"^ value: <(\d+) (\S+) @\d+> \(size=(\d+),offset=(\d+)\)
 _DIMS = re.compile(r"^\w+\[([\d,]*)\]")
 _DEFINED = re.compile(r"^<(\d+) \S+ @\d+>$")
 _INSTRUCTION = re.compile(r"from instruction: %\S+ = (?:\(.*?\)|\S+) ([\w\-]+)\(")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _RANGE = re.compile(r"^\s+(\S+):(\d+)-(\d+)$")
 
 
@@ -268,14 +268,13 @@ def _device_shape(engine, placement, with_data: bool) -> tuple:
     return tuple(jax.sharding.NamedSharding(engine.mesh, placement.spec(with_data)).shard_shape(tuple(placement.shape)))
 
 
-_GROUP = re.compile(re.escape(GROUP_SCOPE) + r"(.*?)" + re.escape(SCOPE_END))
 _LAYERS = re.compile(re.escape(LAYERS_SCOPE) + r"(\d+)" + re.escape(SCOPE_END))
 
 
 def value_rows(value: Value, owners: _Owners) -> list:
     """[(row, fraction)] that own a working value (module docstring)."""
     op = value.op_name
-    groups = _GROUP.findall(op)
+    groups = GROUP_NAME.findall(op)
     if groups:
         name = groups[-1].split("#")[0]
         return [(name, 1.0)]

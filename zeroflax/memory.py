@@ -25,7 +25,7 @@ import re
 import jax
 import numpy as np
 
-from zeroflax.sharding.groups import GROUP_SCOPE, GROUP_SCOPE_END
+from zeroflax.sharding.scopes import GROUP_NAME
 from zeroflax.sharding.policy import shard_bytes
 
 
@@ -254,7 +254,6 @@ def memory_report(engine, state, batch) -> MemoryReport:
 # ------------------------------------------------------------------ gathered weights in the schedule
 _VALUE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
-_GROUP = re.compile(re.escape(GROUP_SCOPE) + r"(.*?)" + re.escape(GROUP_SCOPE_END))
 # Instructions whose result is another view of their operand (no buffer of their own).
 _ALIASES = {"bitcast", "get-tuple-element", "tuple", "parameter", "all-gather-done", "copy-done", "optimization-barrier"}
 # Ops that turn a gathered weight into the same weight in another type or layout.
@@ -302,7 +301,7 @@ def gathered_weights_at_peak(hlo_text: str, compute_bytes: int) -> tuple[int, di
             elements[name] = _elements(type_text.rsplit("(", 1)[0] if not opcode.endswith("-start")
                                        else type_text.rsplit(",", 1)[-1])
             if opcode in ("all-gather", "all-gather-start"):
-                group = _GROUP.search(line)
+                group = GROUP_NAME.search(line)
                 owner[name] = group.group(1) if group else "(no group)"
             elif opcode in _SAME_WEIGHT:
                 for o in operands:
