@@ -271,3 +271,69 @@ def test_gin_imports_and_malformed_gin_are_one_line_errors(tmp_path, capsys):
             gin.clear_config()
         err = capsys.readouterr().err
         assert code == 2 and err.count("zeroflax: error:") == 1 and expected in err, (args, err)
+
+
+# Inside a private mount namespace (unshare: root in a user namespace), a tmpfs of $1 is mounted on the
+# workdir $2 and `zeroflax train` run there with the rest of the arguments; then the tmpfs is enlarged and
+# the run resumed. A namespace's mounts vanish with it, so everything to look at is written outside.
+FULL_DISK_SCRIPT = r"""
+set -u
+size=$1; workdir=$2; out=$3; shift 3
+mount -t tmpfs -o size=$size tmpfs "$workdir" || exit 90
+"$@" > "$out/first.out" 2> "$out/first.err"; echo $? > "$out/first.rc"
+ls -a "$workdir/checkpoints" > "$out/after_failure.ls"
+mount -o remount,size=64m "$workdir" || exit 91
+"$@" --resume > "$out/resumed.out" 2> "$out/resumed.err"; echo $? > "$out/resumed.rc"
+ls -a "$workdir/checkpoints" > "$out/after_resume.ls"
+"""
+
+
+def test_a_full_disk_stops_the_run_and_keeps_the_newest_checkpoint(tmp_path):
+    """The workdir is a 1650 KiB tmpfs; the tiny GPT's checkpoints take about 660 KiB each, so the third save finds
+    the disk full. The run stops with one line naming the step and the cause (exit status 1), the two complete
+    checkpoints are left, and once there is space `--resume` continues from the newest and finishes (and orbax
+    removes the unfinished save)."""
+    from cli_helpers import env_without_device_flags
+    workdir, out = tmp_path / "run", tmp_path / "out"
+    workdir.mkdir()
+    out.mkdir()
+    train = [sys.executable, "-m", "zeroflax", "train", "--gin_file", TINY, "--no_progress",
+             *tiny_bindings(workdir, steps=4, **{"TrainConfig.checkpoint_every": 1})]
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", FULL_DISK_SCRIPT,
+                           "full-disk", "1650k", str(workdir), str(out), *train],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env_without_device_flags())
+    if done.returncode != 0 and not (out / "first.rc").exists():  # no namespace or tmpfs here: say so
+        pytest.skip(f"cannot mount a tmpfs in a private namespace (unshare/mount): {done.stderr.strip()[-300:]}")
+    first_err = (out / "first.err").read_text()
+    errors = [line for line in first_err.splitlines() if line.startswith("zeroflax: error:")]
+    assert (out / "first.rc").read_text().strip() == "1", first_err[-3000:]
+    assert len(errors) == 1, first_err[-3000:]
+    assert ("the checkpoint of step 3 could not be written" in errors[0] and "No space left on device" in errors[0]
+            and "The newest complete checkpoint, step 2, is intact" in errors[0]), errors[0]
+    left = (out / "after_failure.ls").read_text().split()
+    assert "1" in left and "2" in left and "3" not in left and "4" not in left, left
+    resumed = (out / "resumed.out").read_text()
+    assert (out / "resumed.rc").read_text().strip() == "0", (out / "resumed.err").read_text()[-3000:]
+    assert "resumed from step 2" in resumed, resumed[-2000:]
+    finished = (out / "after_resume.ls").read_text().split()
+    assert "4" in finished and not any(".orbax-checkpoint-tmp" in name for name in finished), finished
+
+
+def test_any_write_on_a_full_disk_stops_the_run_naming_the_file(tmp_path, monkeypatch):
+    """A log file (metrics.jsonl, TensorBoard) that cannot be written for want of space stops the run as a failed
+    save does, naming the file and the newest complete checkpoint; other OS errors are not disguised as it."""
+    import errno
+    import zeroflax.train as train_module
+    from zeroflax.checkpoint import SaveError
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp").mkdir()  # unfinished: not a complete checkpoint
+    tc = train_module.TrainConfig(workdir=str(tmp_path))
+    for code, wanted in ((errno.ENOSPC, SaveError), (errno.EDQUOT, SaveError), (errno.EACCES, PermissionError)):
+        def failing(*args, **kwargs):
+            raise OSError(code, os.strerror(code), str(tmp_path / "metrics.jsonl"))
+        monkeypatch.setattr(train_module, "_train_in", failing)
+        with pytest.raises(wanted) as raised:
+            train_module.train(tc)
+        if wanted is SaveError:
+            assert str(raised.value) == (f"{tmp_path / 'metrics.jsonl'}: {os.strerror(code)}. The newest complete "
+                                         "checkpoint, step 2, is intact: free space and continue with --resume")

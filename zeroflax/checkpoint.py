@@ -17,7 +17,9 @@ no conversion step.
 """
 from __future__ import annotations
 
+import errno
 import os
+import re
 from typing import Any
 
 import jax
@@ -26,6 +28,42 @@ import orbax.checkpoint as ocp
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, empty, corrupt or incompatible; the message names it."""
+
+
+class SaveError(RuntimeError):
+    """The run could not write its checkpoint or its logs (a full disk, a quota, a lost mount). The run
+    stops there; the newest complete checkpoint is left as it was (docs/reliability.md)."""
+
+
+# How tensorstore reports the operating system's error inside orbax's exceptions.
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
+
+
+def write_failure(error: BaseException) -> str:
+    """The operating system's reason a write failed ("No space left on device"), from an OSError or
+    from the tensorstore error orbax raises; else the error's first line."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return os.strerror(seen.errno)
+        found = _OS_ERROR_CODE.search(str(seen))
+        if found:
+            return os.strerror(int(found.group(1)))
+        seen = seen.__cause__ or seen.__context__
+    return str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+
+
+def is_disk_full(error: OSError) -> bool:
+    return error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def complete_steps(directory: str) -> list[int]:
+    """The steps with a complete checkpoint in `directory`, read from the directory itself (orbax names a
+    checkpoint's directory by its step only once every item is written)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory)
+                  if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
 
 
 def _train_item(state) -> dict:
@@ -56,6 +94,15 @@ class Checkpointer:
             create=True, cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self.notes: list[str] = []  # what the last restore could not restore as it was, for the log
+        self.in_flight: int | None = None  # the step of the asynchronous save not yet known complete
+
+    def _writing(self, step: int, action):
+        """Run an orbax call that writes (or waits for) the checkpoint of `step`; its failure is a SaveError."""
+        try:
+            return action()
+        except Exception as error:  # orbax and tensorstore raise ValueError, OSError, ...
+            raise SaveError(f"the checkpoint of step {step} could not be written to {self.directory}: "
+                            f"{write_failure(error)}") from error
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -68,6 +115,7 @@ class Checkpointer:
         `view` (e.g. `Engine.model_order`) turns the state into what is stored, only when a save happens."""
         if not force and not self.manager.should_save(step):
             return False
+        self.wait()  # the previous save's failure is reported as that step's
         if view is not None:
             state = view(state)
         items = dict(params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(_train_item(state)),
@@ -75,7 +123,10 @@ class Checkpointer:
         if state.sync_state is not None:
             items.update(sync=ocp.args.StandardSave(state.sync_state),
                          sync_layout=ocp.args.JsonSave(sync_layout(state.sync_state)))
-        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+        started = self._writing(step, lambda: self.manager.save(step, args=ocp.args.Composite(**items), force=force))
+        if started:
+            self.in_flight = step
+        return started
 
     def restore(self, step: int | None, state, shardings):
         """(state, data_state, meta) at `step` (default: the newest complete one), placed with `shardings`
@@ -120,10 +171,13 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(sync=ocp.args.StandardRestore(target)))["sync"]
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the save in flight; SaveError if it failed."""
+        if self.in_flight is not None:
+            self._writing(self.in_flight, self.manager.wait_until_finished)
+            self.in_flight = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
 

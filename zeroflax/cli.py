@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command_name == "launch" and args.devices_per_process is None:
         args.devices_per_process = max(1, 8 // args.nproc)
-    from zeroflax.checkpoint import CheckpointError
+    from zeroflax.checkpoint import CheckpointError, SaveError
     from zeroflax.config import ConfigError
     from zeroflax.data import DataError
     from zeroflax.train import NonFiniteError
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"zeroflax: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except NonFiniteError as error:  # the run, not its input: its own status
+    except (NonFiniteError, SaveError) as error:  # the run, not its input: its own status
         print(f"zeroflax: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -21,7 +21,8 @@ import optax
 
 import zeroflax
 from zeroflax import workdir
-from zeroflax.checkpoint import Checkpointer, CheckpointError
+from zeroflax import checkpoint
+from zeroflax.checkpoint import Checkpointer, CheckpointError, SaveError
 from zeroflax.config import Config, ConfigError, configurable
 from zeroflax.data import DataError, TokenLoader, load_tokens, train_val_split, validation_batches
 from zeroflax.generate import generate_text
@@ -223,8 +224,25 @@ def train(tc: TrainConfig | None = None, config: Config | None = None, model_con
     if resume and overwrite:
         raise ConfigError("--overwrite", "contradicts --resume", "pass one of them")
     with workdir.WorkdirLock(tc.workdir, jax.process_index()):
-        return _train_in(tc, config, model_config, resume=resume, overwrite=overwrite, stop_at=stop_at,
-                         progress=progress, optimizer=optimizer, schedule=schedule, is_main=is_main, say=say)
+        try:
+            return _train_in(tc, config, model_config, resume=resume, overwrite=overwrite, stop_at=stop_at,
+                             progress=progress, optimizer=optimizer, schedule=schedule, is_main=is_main, say=say)
+        except (SaveError, OSError) as error:
+            if isinstance(error, OSError) and not checkpoint.is_disk_full(error):
+                raise
+            _stopped_by_a_failed_write(error, tc.workdir)
+
+
+def _stopped_by_a_failed_write(error, workdir_path: str):
+    """A write failed (docs/reliability.md, "A full disk"): the run stops rather than train on with nothing
+    saved. The complete checkpoints are kept; the unfinished save's temporary directory is removed by orbax
+    when the run resumes."""
+    directory = os.path.join(os.path.abspath(workdir_path), "checkpoints")
+    steps = checkpoint.complete_steps(directory)
+    what = str(error) if isinstance(error, SaveError) else f"{error.filename or workdir_path}: {error.strerror}"
+    raise SaveError(what + ". " + (f"The newest complete checkpoint, step {steps[-1]}, is intact: free space "
+                                   "and continue with --resume" if steps else
+                                   "No checkpoint was complete: free space and start again")) from error
 
 
 def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress, optimizer, schedule, is_main,

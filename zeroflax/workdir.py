@@ -37,8 +37,11 @@ class WorkdirLock:
             os.close(self.fd)
             raise ConfigError("TrainConfig.workdir", f"{workdir} is in use by another zeroflax run ({holder})",
                               "wait for that run to end, or choose another workdir") from None
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        try:  # who holds it, for the message above; a full disk must not stop the lock itself
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        except OSError:
+            pass
 
     def release(self) -> None:
         if self.fd is not None:
