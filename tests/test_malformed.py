@@ -1,6 +1,7 @@
 """The malformed-input corpus: every bad gin file, flag, data file and checkpoint gives exit status 2 and one
 line `zeroflax: error: ...` naming the file or key, and leaves an existing run directory as it was.
 
+Environments (the variables of a multi-process job) are set per case.
 Gin files are in tests/malformed/ (each is given after the tiny main job's gin file, so it overrides it);
 data files and damaged checkpoints are made here. The command runs in this process (`zeroflax.cli.main`),
 which keeps 60 cases to seconds: none of them gets as far as compiling a step.
@@ -8,6 +9,7 @@ which keeps 60 cases to seconds: none of them gets as far as compiling a step.
 import hashlib
 import os
 import shutil
+import socket
 
 import gin
 import numpy as np
@@ -75,6 +77,27 @@ FLAG_CASES = [
     ("plan_bad_memory", ["plan", "--device-memory", "lots"], "--device-memory"),
     ("estimate_bad_flag", ["estimate", "--no_such"], "unrecognized arguments: --no_such"),
     ("launch_without_command", ["launch", "--nproc", "2"], "zeroflax launch: give the command after --"),
+    ("train_no_cpu_devices", ["train", "--gin_file", TINY, "--cpu_devices", "0"], "--cpu_devices: must be at least 1"),
+]
+
+# Environments: (id, variables for `zeroflax train --resume` of a copy of a finished run, text of the error line).
+# {silent}: a local port nobody listens on; {held}: one this test listens on. ZEROFLAX_INIT_TIMEOUT bounds the wait.
+_JOB = {"ZEROFLAX_NUM_PROCESSES": "2", "ZEROFLAX_PROCESS_ID": "1", "ZEROFLAX_INIT_TIMEOUT": "1"}
+ENV_CASES = [
+    ("coordinator_silent", {**_JOB, "ZEROFLAX_COORDINATOR": "127.0.0.1:{silent}"},
+     "ZEROFLAX_COORDINATOR: the coordinator at 127.0.0.1:{silent} (process 0) did not answer within 1 s"),
+    ("coordinator_port_in_use", {**_JOB, "ZEROFLAX_PROCESS_ID": "0", "ZEROFLAX_COORDINATOR": "127.0.0.1:{held}"},
+     "ZEROFLAX_COORDINATOR: process 0 cannot listen on 127.0.0.1:{held}"),
+    ("coordinator_not_host_port", {**_JOB, "ZEROFLAX_COORDINATOR": "localhost"}, "'localhost' is not host:port"),
+    ("process_id_out_of_range", {**_JOB, "ZEROFLAX_PROCESS_ID": "2", "ZEROFLAX_COORDINATOR": "127.0.0.1:{silent}"},
+     "ZEROFLAX_PROCESS_ID: 2 is not below ZEROFLAX_NUM_PROCESSES = 2"),
+    ("num_processes_not_a_number", {**_JOB, "ZEROFLAX_NUM_PROCESSES": "two", "ZEROFLAX_COORDINATOR": "127.0.0.1:{silent}"},
+     "ZEROFLAX_NUM_PROCESSES: must be an integer >= 1, got 'two'"),
+    ("heartbeat_zero", {**_JOB, "ZEROFLAX_HEARTBEAT_TIMEOUT": "0", "ZEROFLAX_COORDINATOR": "127.0.0.1:{silent}"},
+     "ZEROFLAX_HEARTBEAT_TIMEOUT: must be an integer >= 1, got '0'"),
+    ("init_timeout_negative", {**_JOB, "ZEROFLAX_INIT_TIMEOUT": "-5", "ZEROFLAX_COORDINATOR": "127.0.0.1:{silent}"},
+     "ZEROFLAX_INIT_TIMEOUT: must be an integer >= 1, got '-5'"),
+    ("cpu_devices_not_a_number", {"ZEROFLAX_CPU_DEVICES": "eight"}, "ZEROFLAX_CPU_DEVICES: must be an integer >= 1"),
 ]
 
 # Data files, made by `data_dir`: (file name, writer); the case trains on it (TrainConfig.data).
@@ -217,7 +240,8 @@ def _check(argv, expected, capsys, run=None):
 CASES = ([pytest.param("gin", name, id=f"gin-{name}") for name, _ in GIN_CASES]
          + [pytest.param("flag", name, id=f"flag-{name}") for name, _, _ in FLAG_CASES]
          + [pytest.param("data", name, id=f"data-{name}") for name, _, _ in DATA_CASES]
-         + [pytest.param("checkpoint", name, id=f"checkpoint-{name}") for name, *_ in CHECKPOINT_CASES])
+         + [pytest.param("checkpoint", name, id=f"checkpoint-{name}") for name, *_ in CHECKPOINT_CASES]
+         + [pytest.param("env", name, id=f"env-{name}") for name, *_ in ENV_CASES])
 
 
 def test_the_corpus_is_large_enough():
@@ -242,6 +266,23 @@ def test_malformed_input_is_one_line_error(kind, name, finished_run, data_dir, t
         expected = next(e for n, _, e in DATA_CASES if n == name)
         _check(["train", "--gin_file", TINY, *tiny_bindings(tmp_path / "w", steps=2),
                 "--gin_param", f"TrainConfig.data = '{os.path.join(data_dir, name)}'"], expected, capsys)
+    elif kind == "env":
+        variables, expected = next((v, e) for n, v, e in ENV_CASES if n == name)
+        run = str(tmp_path / "run")
+        shutil.copytree(finished_run, run)
+        with socket.socket() as held, socket.socket() as probe:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            probe.bind(("127.0.0.1", 0))  # released below: a port nobody listens on
+            ports = dict(held=held.getsockname()[1], silent=probe.getsockname()[1])
+            probe.close()
+            for variable in ("ZEROFLAX_COORDINATOR", "ZEROFLAX_NUM_PROCESSES", "ZEROFLAX_PROCESS_ID",
+                             "ZEROFLAX_HEARTBEAT_TIMEOUT", "ZEROFLAX_INIT_TIMEOUT", "ZEROFLAX_CPU_DEVICES"):
+                monkeypatch.delenv(variable, raising=False)
+            for variable, value in variables.items():
+                monkeypatch.setenv(variable, value.format(**ports))
+            _check(["train", "--gin_file", TINY, *tiny_bindings(run, steps=4), "--resume"], expected.format(**ports),
+                   capsys, run=run)
     else:
         damage, argv, expected = next((d, a, e) for n, d, a, e in CHECKPOINT_CASES if n == name)
         run = str(tmp_path / "run")

@@ -20,7 +20,7 @@ import sys
 import tokenize
 
 from zeroflax import estimate, explain, export, plan
-from zeroflax.distributed import DEVICES_ENV, run_processes
+from zeroflax.distributed import DEVICES_ENV, env_int, run_processes
 
 EXIT_USAGE = 2
 
@@ -92,7 +92,10 @@ class _MissingInclude(Exception):
 
 
 def cmd_train(args) -> int:
-    _force_cpu_devices(int(os.environ.get(DEVICES_ENV, args.cpu_devices)))
+    if args.cpu_devices < 1:
+        from zeroflax.config import ConfigError
+        raise ConfigError("--cpu_devices", f"must be at least 1, got {args.cpu_devices}")
+    _force_cpu_devices(env_int(DEVICES_ENV, 1, args.cpu_devices))
     from zeroflax.distributed import maybe_initialize
     _parse_gin(args.gin_file, args.gin_param)
     maybe_initialize()

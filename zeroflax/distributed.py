@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,9 @@ PROCESS_ID = "ZEROFLAX_PROCESS_ID"
 # others (jax's own default is 100): a dead peer never leaves the rest waiting in a collective.
 HEARTBEAT_ENV = "ZEROFLAX_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_S = 30
+# Seconds a process waits for the coordinator at start (jax's default: 300).
+INIT_TIMEOUT_ENV = "ZEROFLAX_INIT_TIMEOUT"
+DEFAULT_INIT_TIMEOUT_S = 300
 
 
 def _cluster_size() -> int:
@@ -34,22 +38,66 @@ def maybe_initialize() -> bool:
     import jax
 
     if COORDINATOR in os.environ:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         address = os.environ[COORDINATOR]
+        num_processes, process_id = env_int(NUM_PROCESSES, 1), env_int(PROCESS_ID, 0)
+        if process_id >= num_processes:
+            from zeroflax.config import ConfigError
+            raise ConfigError(PROCESS_ID, f"{process_id} is not below {NUM_PROCESSES} = {num_processes}")
+        heartbeat, init_timeout = heartbeat_timeout(), env_int(INIT_TIMEOUT_ENV, 1, DEFAULT_INIT_TIMEOUT_S)
+        # jax's runtime aborts the process (no exception) when it cannot listen or reach the coordinator:
+        # checked here first, so that either is one line naming the variable.
+        _check_coordinator(address, process_id == 0, init_timeout)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         # The coordinator listens on the address it was given (127.0.0.1 from `zeroflax launch`), not on
         # every interface, jax's default: a local job is not reachable from the network.
         jax.distributed.initialize(coordinator_address=address, coordinator_bind_address=address,
-                                   num_processes=int(os.environ[NUM_PROCESSES]),
-                                   process_id=int(os.environ[PROCESS_ID]),
-                                   heartbeat_timeout_seconds=heartbeat_timeout())
+                                   num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=init_timeout, heartbeat_timeout_seconds=heartbeat)
         return True
     if _cluster_size() > 1:
+        heartbeat = heartbeat_timeout()
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout())
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
         return True
     return False
 
 
+def env_int(name: str, minimum: int, default: int | None = None) -> int:
+    """An integer environment variable of at least `minimum`; a ConfigError naming it otherwise."""
+    from zeroflax.config import ConfigError
+    value = os.environ.get(name, None if default is None else str(default))
+    if value is None or not value.strip().isdigit() or int(value) < minimum:
+        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_coordinator(address: str, listens_here: bool, timeout_s: float) -> None:
+    """Process 0 must be able to listen on `address`; every other process must reach it within `timeout_s`
+    (process 0 may start later: it is retried)."""
+    from zeroflax.config import ConfigError
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(COORDINATOR, f"{address!r} is not host:port")
+    host = host.strip("[]")  # an IPv6 address in brackets
+    if listens_here:
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.bind((host, int(port)))
+        except OSError as error:
+            raise ConfigError(COORDINATOR, f"process 0 cannot listen on {address}: {error.strerror}",
+                              "choose another port (zeroflax launch --port) or end what holds it") from None
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise ConfigError(COORDINATOR, f"the coordinator at {address} (process 0) did not answer within "
+                                  f"{timeout_s:g} s: {error.strerror or error}",
+                                  f"start process 0, check the address, or raise {INIT_TIMEOUT_ENV}") from None
+            time.sleep(0.2)
 def launch_env(process_id: int, num_processes: int, port: int, devices_per_process: int | None) -> dict:
     env = dict(os.environ)
     env.update({COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(num_processes), PROCESS_ID: str(process_id)})
@@ -63,11 +111,7 @@ DEVICES_ENV = "ZEROFLAX_CPU_DEVICES"
 
 
 def heartbeat_timeout() -> int:
-    from zeroflax.config import ConfigError
-    value = os.environ.get(HEARTBEAT_ENV, str(DEFAULT_HEARTBEAT_S))
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(HEARTBEAT_ENV, f"must be a positive number of seconds, got {value!r}")
-    return int(value)
+    return env_int(HEARTBEAT_ENV, 1, DEFAULT_HEARTBEAT_S)
 
 
 def run_processes(command: list, num_processes: int, port: int, devices_per_process: int | None,
