@@ -211,8 +211,14 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"zeroflax: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except (NonFiniteError, SaveError) as error:  # the run, not its input: its own status
+    except NonFiniteError as error:  # the run, not its input: its own status
         print(f"zeroflax: error: {error}", file=sys.stderr)
+        return 1
+    except SaveError as error:
+        # orbax's save threads may still be printing their reports of the failed writes: one write, on a line
+        # of its own, so that theirs cannot split it.
+        sys.stderr.write(f"\nzeroflax: error: {error}\n")
+        sys.stderr.flush()
         return 1
     except KeyboardInterrupt:
         print("zeroflax: interrupted", file=sys.stderr)
