@@ -120,6 +120,8 @@ class Checkpointer:
             state = view(state)
         items = dict(params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(_train_item(state)),
                      data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+        if state.compute_params is not None:  # offload's predicted compute copy (Engine.model_order keeps only that)
+            items.update(compute=ocp.args.StandardSave(state.compute_params))
         if state.sync_state is not None:
             items.update(sync=ocp.args.StandardSave(state.sync_state),
                          sync_layout=ocp.args.JsonSave(sync_layout(state.sync_state)))
@@ -128,9 +130,11 @@ class Checkpointer:
             self.in_flight = step
         return started
 
-    def restore(self, step: int | None, state, shardings):
+    def restore(self, step: int | None, state, shardings, *, compute_copy: bool = False):
         """(state, data_state, meta) at `step` (default: the newest complete one), placed with `shardings`
-        (a TrainState of shardings); `state` supplies the structure, shapes and dtypes."""
+        (a TrainState of shardings); `state` supplies the structure, shapes and dtypes. The offload compute
+        copy is None (`Engine.storage_order` remakes it from the master weights) unless `compute_copy`
+        asks for the stored one (the delayed update's prediction) and the checkpoint has it."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
@@ -148,12 +152,22 @@ class Checkpointer:
             raise CheckpointError(f"corrupt or incompatible checkpoint: cannot restore step {step} from {self.directory}: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
         t = restored["train"]
-        # The offload compute copy is not stored: Engine.storage_order (or with_compute_copy) remakes it.
+        compute = self._restore_compute_copy(step, state.compute_params, shardings.compute_params) if compute_copy else None
         new_state = state.replace(params=restored["params"], opt_state=t["opt_state"], loss_scale=t["loss_scale"],
                                   step=t["step"], rng=t["rng"], model_state=t.get("model_state"),
-                                  pending_grads=t.get("pending_grads"),
+                                  pending_grads=t.get("pending_grads"), compute_params=compute,
                                   sync_state=state.sync_state if sync is None else sync)
         return new_state, restored["data"], restored["meta"]
+
+    def _restore_compute_copy(self, step: int, compute_params, shardings):
+        """The stored compute copy, or None (and a note) where the checkpoint has none of this shape."""
+        target = _abstract_with_shardings(compute_params, shardings)
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(compute=ocp.args.StandardRestore(target)))["compute"]
+        except Exception:  # written without the prediction, or with another layout
+            self.notes.append(f"the compute copy was remade from the master weights: the checkpoint of step {step} "
+                              "holds no predicted copy of this layout, so the first step's gradient is not predicted")
+            return None
 
     def _restore_sync(self, step: int, sync_state, shardings):
         """The stored sync state if its layout is this engine's, else None (and a note: it starts afresh, as

@@ -454,13 +454,17 @@ class Engine:
     def model_order(self, state: TrainState) -> TrainState:
         """The state with its stacked layers in model order: what checkpoints hold, so they restore on
         any mesh. The identity except under the interleaved schedule, which stores them in pipeline
-        order (see `layer_order`)."""
+        order (see `layer_order`). The offload compute copy is dropped (it is remade from the master
+        weights) unless the delayed update's prediction made it: that one cannot be remade."""
+        if self.offload is not None and not self.config.offload_optimizer.predicts:
+            state = state.replace(compute_params=None)
         return self._reordered("state", state, True)
 
     def storage_order(self, state: TrainState) -> TrainState:
         """The inverse of `model_order`: a model-order state (fresh, or restored) as this engine holds it,
-        with its offload compute copy made from its master weights."""
-        return self.with_compute_copy(self._reordered("state", state, False))
+        with its offload compute copy made from its master weights where it has none."""
+        state = self._reordered("state", state, False)
+        return self.with_compute_copy(state) if state.compute_params is None else state
 
     def abstract_state(self) -> TrainState:
         """The initial TrainState as ShapeDtypeStructs with their shardings: what `compile` needs to

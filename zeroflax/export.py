@@ -230,7 +230,7 @@ def initialize_from_safetensors(engine, state, path: str, *, stacked=None):
     # make_array_from_callback: each process places only the shards its devices hold (multi-process safe).
     placed = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
                           params, engine.state_shardings.params)
-    return engine.storage_order(engine.model_order(state).replace(params=placed))
+    return engine.storage_order(engine.model_order(state).replace(params=placed, compute_params=None))
 
 
 def add_parser(subparsers) -> None:

@@ -283,7 +283,8 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
             "config": json.loads(json.dumps(config.to_dict(), default=str))}
     latest = checkpoints.latest_step()
     if resume and latest is not None:
-        state, data_state, old_meta = checkpoints.restore(latest, state, engine.state_shardings)
+        state, data_state, old_meta = checkpoints.restore(
+            latest, state, engine.state_shardings, compute_copy=config.offload_optimizer.predicts)
         if int(state.step) != latest:
             raise CheckpointError(f"checkpoint {checkpoints.directory}/{latest} holds step {int(state.step)}: its "
                                   "directory was renamed or its contents replaced; resume from an intact checkpoint")

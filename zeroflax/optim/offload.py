@@ -12,6 +12,8 @@ host memory (`Config.offload_optimizer`; placement in `sharding/policy.py`, docs
      compute dtype.
 With `delayed_update`, from `delayed_update_start` on, step t applies step t-1's gradients (held on the
 host in `TrainState.pending_grads`) and keeps its own, so the update does not wait for the backward pass.
+With `delayed_update_prediction` the compute copy it sends back is extrapolated, P + (P - P_before): the
+next gradient is taken where the parameters will be when it is applied, not one update behind.
 """
 from __future__ import annotations
 
@@ -78,12 +80,18 @@ class OffloadedUpdate:
             # Apply the previous step's gradients (none yet at the first delayed step); keep this step's.
             host_grads, pending, apply = state.pending_grads, host_grads, state.step > offload.delayed_update_start
 
+        predict = offload.predicts and delayed
+
         def update(params, opt_state, grads, apply, params_layout=plan.params):
+            before = params
             params, opt_state, grad_norm, finite = self.update_fn(params, opt_state, grads, apply)
             # Pinned to the master's layout: the compute copy's all-gather (stages 1-2) happens later, on
             # the device; unpinned, XLA gathers the delayed update's select on the host instead.
             params = jax.lax.with_sharding_constraint(params, params_layout)
-            return params, opt_state, self.compute_copy(params), grad_norm, finite
+            # The next gradient is applied one update later: take it where that update will have moved
+            # the parameters, guessing the update to be this one again.
+            seen = jax.tree.map(lambda new, old: new + (new - old), params, before) if predict else params
+            return params, opt_state, self.compute_copy(seen), grad_norm, finite
 
         if offload.update == "host":
             if apply is not None:
