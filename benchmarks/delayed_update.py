@@ -53,7 +53,7 @@ def run(delayed: bool, args, predict: bool = False) -> list[tuple[int, float]]:
     eval_loss = jax.jit(lambda p: loss_fn(p, {"tokens": jnp.asarray(val)}, None))
     pending, curve, last = None, [], None
     for step in range(args.steps):
-        at = params if not (predict and last is not None) else jax.tree.map(lambda p, d: p + d, params, last)
+        at = params if last is None else jax.tree.map(lambda p, d: p + d, params, last)
         grads = grad_fn(at, {"tokens": jnp.asarray(loader.next_batch()["tokens"])})
         before = params
         if not delayed or step < args.start:
@@ -62,7 +62,7 @@ def run(delayed: bool, args, predict: bool = False) -> list[tuple[int, float]]:
             if step > args.start:
                 params, state = apply(params, state, pending)
             pending = grads
-        if delayed and step >= args.start:
+        if predict and step >= args.start:
             last = jax.tree.map(lambda a, b: a - b, params, before)
         if (step + 1) % (args.steps // 3) == 0:
             curve.append((step + 1, float(eval_loss(params)) / math.log(2)))
