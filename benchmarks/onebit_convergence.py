@@ -2,7 +2,10 @@
 8 simulated CPU devices, warm-up 15% of the steps), both through `zeroflax train`, both at stage 2. Writes the
 two curves (training loss, validation bits per byte) as JSON and as one figure.
 
-    python benchmarks/onebit_convergence.py [--steps 600] [--out docs/figures/onebit_convergence]
+    python benchmarks/onebit_convergence.py [--steps 600] [--seed 0] [--local_clip] [--out docs/figures/onebit_convergence]
+
+--seed sets Config.seed (initialisation and data order) for both runs; --local_clip gives 1-bit Adam
+DeepSpeed's clipping rule in the compressed phase (each device clips its own local gradient).
 
 Each run takes about as long as `make run` (minutes on 2 cores).
 """
@@ -18,10 +21,11 @@ import tempfile
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def run(name: str, workdir: str, steps: int, optimizer: str, freeze: int) -> dict:
+def run(name: str, workdir: str, steps: int, optimizer: str, freeze: int, seed: int, local_clip: bool) -> dict:
     params = {"TrainConfig.steps": steps, "TrainConfig.eval_every": 100, "TrainConfig.workdir": repr(workdir),
               "TrainConfig.optimizer": repr(optimizer), "TrainConfig.freeze_step": freeze,
-              "TrainConfig.sample_length": 0, "TrainConfig.tensorboard": False}
+              "TrainConfig.sample_length": 0, "TrainConfig.tensorboard": False, "Config.seed": seed,
+              "TrainConfig.onebit_local_clip": local_clip}
     args = [sys.executable, "-m", "zeroflax", "train", "--gin_file", "experiments/gpt_tiny_onebit.gin", "--no_progress"]
     for key, value in params.items():
         args += ["--gin_param", f"{key} = {value}"]
@@ -38,13 +42,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--warmup_fraction", type=float, default=0.15)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--local_clip", action="store_true")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "figures", "onebit_convergence"))
     args = parser.parse_args()
     freeze = round(args.warmup_fraction * args.steps)
-    results = {"steps": args.steps, "freeze_step": freeze}
+    results = {"steps": args.steps, "freeze_step": freeze, "seed": args.seed, "local_clip": args.local_clip}
     with tempfile.TemporaryDirectory() as tmp:
         for name, optimizer in (("adamw", "adamw"), ("onebit_adam", "onebit_adam")):
-            results[name] = run(name, os.path.join(tmp, name), args.steps, optimizer, freeze)
+            results[name] = run(name, os.path.join(tmp, name), args.steps, optimizer, freeze, args.seed,
+                                args.local_clip)
             print(name, "validation bits per byte:", results[name]["val_bpb"], flush=True)
     end_adamw, end_onebit = results["adamw"]["val_bpb"][-1][1], results["onebit_adam"]["val_bpb"][-1][1]
     results["relative_gap"] = end_onebit / end_adamw - 1

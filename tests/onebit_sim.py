@@ -212,8 +212,22 @@ def _clip_factor(grads, max_norm: float) -> np.float32:
     return F32(1.0) if norm < max_norm else F32(max_norm / norm)
 
 
+def _sketch(grads, buckets: int = 1024) -> np.ndarray:
+    """zeroflax's count sketch, written again from its rule: element g of the list flattened in order goes
+    into bucket g mod `buckets` with sign +1 or -1 by the top bit of
+    g * 0x9E3779B1, xor-shifted right by 16, times 0x85EBCA6B (uint32)."""
+    flat = np.concatenate([np.asarray(g, F32).reshape(-1) for g in grads])
+    h = np.arange(flat.size, dtype=np.uint32) * np.uint32(0x9E3779B1)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    signs = F32(1) - F32(2) * (h >> np.uint32(31)).astype(F32)
+    out = np.zeros(buckets, F32)
+    np.add.at(out, np.arange(flat.size) % buckets, (flat * signs).astype(F32))
+    return out
+
+
 def simulate_onebit_adam(params, grads, *, lr, b1, b2, eps, weight_decay, freeze_step, layouts,
-                         n_workers=None, n_steps=None, grad_clip=0.0):
+                         n_workers=None, n_steps=None, grad_clip=0.0, local_clip=True):
     """Run 1-bit Adam on N simulated data-parallel workers and return the final parameters and state.
 
     params:  list of float32 numpy arrays (initial parameters, identical on all workers).
@@ -226,8 +240,10 @@ def simulate_onebit_adam(params, grads, *, lr, b1, b2, eps, weight_decay, freeze
     layouts: list (one per param) of ("flat",) or ("zero", d).
     n_workers: N. Taken from the list (len(grads[0])); required with a callable.
     n_steps: the number of steps. Taken from the list (len(grads)); required with a callable.
-    grad_clip: > 0 clips as DeepSpeed's fp32 engine does: the mean gradient during warm-up, then each
-             worker's local gradient (to that global L2 norm over all params).
+    grad_clip: > 0 clips the mean gradient during warm-up (as DeepSpeed's fp32 engine does); in the
+             compressed phase, with local_clip (DeepSpeed's rule) each worker's local gradient by its own
+             global L2 norm, without it every worker's by the factor for the norm that the mean of the
+             workers' sketches (`_sketch`) estimates for the mean gradient (zeroflax's default).
 
     Returns (final_params, state): final_params is a list of float32 arrays (checked to be identical on
     all workers); state is a dict with, per parameter (lists in parameter order):
@@ -287,8 +303,13 @@ def simulate_onebit_adam(params, grads, *, lr, b1, b2, eps, weight_decay, freeze
             clip = lambda gs: [(g * _clip_factor(gs, grad_clip)).astype(F32) for g in gs]  # noqa: E731
             if t <= freeze_step:
                 g_means = clip(g_means)
-            else:
+            elif local_clip:
                 g_w = [clip(gk) for gk in g_w]
+            else:
+                sketch = (sum(_sketch(gk) for gk in g_w) * inv_n).astype(F32)
+                estimate = np.sqrt(np.sum(sketch * sketch, dtype=F32), dtype=F32)
+                factor = F32(1.0) if estimate < grad_clip else F32(grad_clip / estimate)
+                g_w = [[(g * factor).astype(F32) for g in gk] for gk in g_w]
 
         for j in range(n_params):
             if t <= freeze_step:

@@ -341,12 +341,15 @@ def onebit_theory(sync, stage: int, grad_bytes: int, phase: str) -> float:
     all-to-all of the worker's packed signs and an all-gather of the servers' ((N-1) C / 8 bytes each) and
     of both scales (4 (N-1) each); at stages 1-2 the all-gather of the updated parameters (the variance is
     partitioned, so the update is too); in the first compressed step, the all-gather of the warm-up's
-    partitioned momentum (fp32)."""
-    from zeroflax.optim.onebit import FIRST  # noqa: PLC0415 (comm does not otherwise depend on optim)
+    partitioned momentum (fp32); with clipping by the mean gradient's norm, the all-reduce of its sketch
+    (fp32, SKETCH_BUCKETS)."""
+    from zeroflax.optim.onebit import FIRST, SKETCH_BUCKETS  # noqa: PLC0415 (comm does not otherwise depend on optim)
     layouts = jax.tree.leaves(sync.layouts, is_leaf=lambda x: hasattr(x, "cols"))
     n = sync.data_size
     share = (n - 1) / n
     exchange = sum((n - 1) * (l.cols / 4 + 8) for l in layouts)
+    if sync.grad_clip > 0 and not sync.settings.local_clip:
+        exchange += 2 * 4 * SKETCH_BUCKETS * share
     partitioned = sum(l.size for l in layouts if l.zero_dim is not None)
     gather = grad_bytes * partitioned * share if stage in (1, 2) else 0.0
     first = 4 * partitioned * share if phase == FIRST else 0.0

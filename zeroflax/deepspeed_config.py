@@ -496,6 +496,10 @@ def _optimizer(spec, schedule, stage: int, precision: str, default_optimizer, no
         if stage:
             notes.append(f"optimizer.type: OneBitAdam at ZeRO stage {stage}: DeepSpeed forbids it, zeroflax "
                          "compresses each device's ZeRO shard (docs/onebit_adam.md)")
+        notes.append("optimizer.type: OneBitAdam: after freeze_step, gradient_clipping scales every device's local "
+                     "gradient by one factor from the mean gradient's norm (estimated by an all-reduced sketch); "
+                     "DeepSpeed clips each local gradient by its own norm, which is onebit_adam(local_clip=True) "
+                     "(docs/onebit_adam.md)")
         optimizer = onebit_adam(learning_rate, b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"],
                                 freeze_step=p["freeze_step"])
         return optimizer, dict(type="OneBitAdam", lr=p["lr"], b1=b1, b2=b2, eps=p["eps"],

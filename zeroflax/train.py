@@ -44,7 +44,9 @@ class TrainConfig:
     checkpoint_every / keep_checkpoints: save every K steps, keep the newest N (and always the last).
     eval_every: validation every K steps (0: only before and after); eval_batches: batches per validation.
     optimizer: 'adamw', or 'onebit_adam' (zeroflax.optim.onebit_adam with the same betas, learning-rate
-        schedule and weight decay) whose warm-up lasts `freeze_step` steps.
+        schedule and weight decay) whose warm-up lasts `freeze_step` steps; `onebit_local_clip` gives it
+        DeepSpeed's clipping in the compressed phase (each device clips its local gradient) instead of one
+        factor from the mean gradient's sketched norm (docs/onebit_adam.md).
     init_from: a safetensors file (`zeroflax export`) the run's parameters start from; the optimizer state
         starts fresh. A resumed run continues from its checkpoint (which started from the same file); resuming
         one that started from another file, or from none, is refused as ambiguous (docs/export.md).
@@ -60,6 +62,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     optimizer: str = "adamw"
     freeze_step: int = 75
+    onebit_local_clip: bool = False
     log_every: int = 10
     eval_every: int = 0
     eval_batches: int = 8
@@ -81,6 +84,8 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError("TrainConfig.optimizer", f"unknown optimizer {self.optimizer!r}",
                               f"use one of {', '.join(OPTIMIZERS)}")
+        if not isinstance(self.onebit_local_clip, bool):
+            raise ConfigError("TrainConfig.onebit_local_clip", f"must be True or False, got {self.onebit_local_clip!r}")
         for key in ("warmup_steps", "eval_every", "sample_length", "freeze_step"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -108,7 +113,7 @@ def make_optimizer(tc: TrainConfig, schedule=None) -> optax.GradientTransformati
     b1, b2 = ADAM_BETAS
     if tc.optimizer == "onebit_adam":
         return onebit_adam(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay,
-                           freeze_step=tc.freeze_step)
+                           freeze_step=tc.freeze_step, local_clip=tc.onebit_local_clip)
     return optax.adamw(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay)
 
 

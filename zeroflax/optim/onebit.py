@@ -60,6 +60,7 @@ class OneBitSettings:
     eps: float
     weight_decay: float
     freeze_step: int
+    local_clip: bool = False  # DeepSpeed's clipping in the compressed phase (see onebit_adam)
 
 
 class OneBitAdam(optax.GradientTransformationExtraArgs):
@@ -101,11 +102,18 @@ class _Update:
 
 
 def onebit_adam(learning_rate: float | Callable = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                weight_decay: float = 0.0, freeze_step: int = 100000) -> OneBitAdam:
+                weight_decay: float = 0.0, freeze_step: int = 100000, local_clip: bool = False) -> OneBitAdam:
     """DeepSpeed's 1-bit Adam (defaults: DeepSpeed's). `freeze_step`: the number of warm-up steps of plain
     Adam (on the mean gradient) before the variance freezes and the momentum is exchanged compressed.
     Unlike DeepSpeed's fp32 engine, the first step's gradient is used, not discarded: the warm-up is
-    `freeze_step` real steps. Pass the result to `zeroflax.initialize` as the optimizer."""
+    `freeze_step` real steps. Pass the result to `zeroflax.initialize` as the optimizer.
+
+    `local_clip`: how `Config.grad_clip` acts in the compressed phase, where no device holds the mean
+    gradient. False (default): every device scales its local gradient by the same factor, from the mean
+    gradient's norm estimated by a count sketch that is all-reduced (`norm_sketch`: 4 KiB per step), so the
+    exchanged momentum follows the clipped mean gradient as in the warm-up. True: DeepSpeed's rule, each
+    device clips its local gradient by its own norm; local gradients are noisier and larger than their mean,
+    so this clips far more often (docs/onebit_adam.md measures the difference)."""
     for name, value in (("b1", b1), ("b2", b2)):
         if not 0 <= value < 1:
             raise ValueError(f"onebit_adam: {name} must be in [0, 1), got {value!r}")
@@ -113,7 +121,7 @@ def onebit_adam(learning_rate: float | Callable = 1e-3, b1: float = 0.9, b2: flo
         raise ValueError(f"onebit_adam: freeze_step must be an integer >= 0, got {freeze_step!r}")
     if eps < 0 or weight_decay < 0:
         raise ValueError(f"onebit_adam: eps and weight_decay must be >= 0, got {eps!r}, {weight_decay!r}")
-    settings = OneBitSettings(learning_rate, b1, b2, eps, weight_decay, freeze_step)
+    settings = OneBitSettings(learning_rate, b1, b2, eps, weight_decay, freeze_step, bool(local_clip))
 
     def init(params):
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -194,6 +202,38 @@ class LeafSync(NamedTuple):
 class SyncState(NamedTuple):
     leaves: Any  # params structure, LeafSync per leaf
     exchanged_at: jax.Array  # int32: the step whose exchange wrote `bits` (-1: none, the next needs 'first')
+
+
+# ------------------------------------------------------------------------- the mean gradient's norm
+SKETCH_BUCKETS = 1024  # relative standard deviation of the squared-norm estimate: about sqrt(2 / 1024) = 4.4%
+
+
+def _hash_signs(index):
+    """+1 or -1 for each uint32 `index`: the top bit of a multiply, xor-shift, multiply hash (the first
+    rounds of murmur3's finaliser; a further xor-shift would not change the top bit)."""
+    h = index * np.uint32(0x9E3779B1)
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    return np.float32(1) - np.float32(2) * (h >> np.uint32(31)).astype(jnp.float32)
+
+
+def norm_sketch(tree, buckets: int = SKETCH_BUCKETS):
+    """A count sketch of `tree`'s elements: element g (its index over all leaves, flattened in leaf order)
+    is added with sign s(g) into bucket g mod `buckets`. It is linear, so the mean of the devices' sketches
+    of their local gradients is the sketch of the mean gradient, and its squared norm estimates the mean
+    gradient's squared norm without bias (the signs' cross terms vanish on average), with a relative
+    standard deviation of about sqrt(2 / buckets) when no few buckets hold most of the energy."""
+    total = jnp.zeros((buckets,), jnp.float32)
+    offset = 0
+    for leaf in jax.tree.leaves(tree):
+        flat = leaf.reshape(-1).astype(jnp.float32)
+        size = flat.shape[0]
+        index = jnp.arange(size, dtype=jnp.uint32) + np.uint32(offset % 2**32)
+        front = offset % buckets
+        signed = jnp.pad(flat * _hash_signs(index), (front, -(front + size) % buckets))
+        total = total + signed.reshape(-1, buckets).sum(0)
+        offset += size
+    return total
 
 
 # ----------------------------------------------------------------------------- the compressed all-reduce
@@ -298,14 +338,21 @@ class OneBitSync:
     def final(self, grads, mu_prev, sync: SyncState, step):
         """Compressed phase, per device: grads are this device's local gradients (its share 1/N of the
         mean, as the engine weights the loss). Returns (momentum: this device's shard at rest, or the
-        whole leaf where it is replicated; new sync state; the mean over devices of the local gradients'
-        norm)."""
+        whole leaf where it is replicated; new sync state; the gradient norm: with `grad_clip` and no
+        `local_clip` the mean gradient's, estimated by the sketch, else the mean over devices of the local
+        gradients' norms)."""
         s = self.settings
         n = self.data_size
         local = jax.tree.map(lambda g: g.astype(jnp.float32) * n, grads)
-        norm = global_norm(local)
-        if self.grad_clip > 0:  # DeepSpeed's fp32 engine clips what its optimizer sees: here the local gradient
+        if self.grad_clip > 0 and not s.local_clip:  # one factor on every device: the exchanged momentum
+            # follows the clipped mean gradient, whose norm the all-reduced sketch estimates
+            norm = jnp.sqrt(jnp.sum(jnp.square(jax.lax.pmean(norm_sketch(local), self.axis))))
             local = clip_to(local, norm, self.grad_clip)
+        else:
+            local_norm = global_norm(local)
+            norm = jax.lax.pmean(local_norm, self.axis)
+            if self.grad_clip > 0:  # DeepSpeed's fp32 engine clips the local gradient its optimizer sees
+                local = clip_to(local, local_norm, self.grad_clip)
 
         def leaf(l: Layout, g, m_prev, state: LeafSync):
             if m_prev is None:  # the last exchange's result, from its bits
@@ -328,7 +375,7 @@ class OneBitSync:
         out = [leaf(l, g, p, st) for l, g, p, st in zip(leaves, jax.tree.leaves(local), prev, states)]
         momentum = treedef.unflatten([o[0] for o in out])
         new_sync = SyncState(treedef.unflatten([o[1] for o in out]), jnp.asarray(step, jnp.int32))
-        return momentum, new_sync, jax.lax.pmean(norm, self.axis)
+        return momentum, new_sync, norm
 
 
 def make_sync(optimizer: OneBitAdam, placements, data_size: int, zero_sync, grad_clip: float = 0.0,
