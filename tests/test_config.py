@@ -6,6 +6,7 @@ import pytest
 
 import zeroflax
 from zeroflax import Config, ConfigError, LossScaleConfig, MeshConfig
+from zeroflax.train import TrainConfig
 
 
 def loss_fn(params, batch, rng):
@@ -63,6 +64,8 @@ INVALID = {
     "wrong number of logical names": (
         lambda: zeroflax.initialize(loss_fn, PARAMS, optax.sgd(0.1), Config(),
                                     logical_axes={"w": ("embed",)}), "logical_axes"),
+    "1-bit Adam's clipping rule as string": (lambda: TrainConfig(onebit_local_clip="yes"),
+                                             "TrainConfig.onebit_local_clip"),
 }
 
 

@@ -1,5 +1,5 @@
 """The gradient's global L2 norm, optax.clip_by_global_norm's rule and a finiteness check, shared by the engine's update and
-1-bit Adam's sync (which clips each device's local gradient)."""
+1-bit Adam's sync (which clips its local gradients in the compressed phase)."""
 from __future__ import annotations
 
 import functools

@@ -10,6 +10,8 @@ Two pieces, one per part of the step (design.md section 8):
   * `OneBitSync`: the engine's gradient sync for it. During warm-up it is ZeRO's (the mean gradient);
     after it each device updates the momentum with its *local* gradient and the momentum goes through the
     compressed all-reduce (`exchange`); the update then receives the exchanged momentum (`momentum=`).
+    Clipping then scales every local gradient by one factor, from the mean gradient's norm as estimated
+    by an all-reduced count sketch (`norm_sketch`); `local_clip=True` is DeepSpeed's per-device rule.
 
 The compressed all-reduce works on each parameter leaf as N rows of C columns (`Layout`): row i is the
 chunk device i serves. A worker adds its error to the rows of its momentum, compresses them to signs with
