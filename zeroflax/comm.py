@@ -423,8 +423,9 @@ def host_transfers(jaxpr, times: int = 1, local: bool = False) -> tuple[float, f
     return to_device, to_host
 
 
-def host_traffic_theory(engine) -> tuple[float, float]:
-    """(host->device, device->host) bytes per device per step that offload should move (module docstring)."""
+def host_traffic_theory(engine, phase: str = "steady") -> tuple[float, float]:
+    """(host->device, device->host) bytes per device per step that offload should move (module docstring);
+    a delayed step under the 'linear' prediction also brings the slope of the next update (bf16)."""
     plan, config = engine.plan, engine.config
     leaves = jax.tree.leaves(engine.abstract_params)
     itemsize = lambda x: np.dtype(x.dtype).itemsize
@@ -440,6 +441,9 @@ def host_traffic_theory(engine) -> tuple[float, float]:
     streamed = plan.streamed()
     copy = sum(m // itemsize(x) * compute for m, x, st in zip(master, leaves, streamed) if not st)
     stream = sum(m for m, st in zip(master, streamed) if st) * 2 * config.grad_accum_steps
+    offload = config.offload_optimizer
+    if offload.predicts and offload.delayed_update_prediction == "linear" and phase != "exact":
+        copy += sum(m // itemsize(x) * 2 for m, x, st in zip(master, leaves, streamed) if not st)
     return copy + stream, grads
 
 
@@ -523,7 +527,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), engine.put_batch(batch))
         jaxpr = jax.make_jaxpr(engine._step_fn(batch_abs, phase))(state_abs, batch_abs).jaxpr
         to_device, to_host = host_transfers(jaxpr)
-        to_device_theory, to_host_theory = host_traffic_theory(engine)
+        to_device_theory, to_host_theory = host_traffic_theory(engine, phase)
         transfers = dict(host_to_device=to_device, device_to_host=to_host, host_to_device_theory=to_device_theory,
                        device_to_host_theory=to_host_theory)
     return CommReport(

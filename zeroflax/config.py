@@ -20,6 +20,7 @@ except ImportError:  # e.g. a GPU image without gin-config: the Python API works
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
 OFFLOAD_DEVICES = ("none", "cpu")
+DELAYED_PREDICTIONS = ("linear", "extrapolate", "none")
 OFFLOAD_UPDATES = ("host", "device")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PIPE = "pipe"  # the pipeline mesh axis
@@ -177,11 +178,16 @@ class OffloadOptimizerConfig:
     delayed_update_start: the first step whose update is delayed; the steps before it update at once
         (ZeRO-Offload's paper turns DPU on after the first few tens of iterations, when the gradients
         change fastest: from step 0 the main job ends far worse, docs/offload.md).
-    delayed_update_prediction: with delayed_update, each delayed step's gradient is taken at the
-        parameters extrapolated by the last update (2·P_t - P_(t-1): a prediction of the parameters it
-        will be applied to) instead of at the stale P_t. Not in ZeRO-Offload (False is DeepSpeed's DPU as
-        published); it costs nothing on the device and recovers most of DPU's loss (docs/offload.md).
-        The device's compute copy then cannot be remade from the master weights, so checkpoints store it.
+    delayed_update_prediction: where each delayed step's gradient is taken, since it is applied one
+        update later. 'none': at the stale master P_t (DeepSpeed's DPU as published). 'extrapolate': at
+        P_t plus the last update, a guess that the next update repeats it (no device cost). 'linear'
+        (default): at the parameters the next update will give: the host sends P_t + c and a slope s
+        (bf16), c + s g being the optimizer's next update as an affine function of the next gradient g
+        (the secant through +-(the gradient just applied)), and the device adds s times the gradient it
+        has just computed (clipped). This assumes an elementwise optimizer (Adam, AdamW, SGD); it costs 2
+        bytes per parameter more host->device per step and two more update evaluations on the host. 'extrapolate' and 'linear' are ours, not ZeRO-Offload's
+        (docs/offload.md measures all three). The compute copy then cannot be remade from the master
+        weights, so checkpoints store it.
     """
 
     device: str = "none"
@@ -189,7 +195,7 @@ class OffloadOptimizerConfig:
     update: str = "host"
     delayed_update: bool = False
     delayed_update_start: int = 50
-    delayed_update_prediction: bool = True
+    delayed_update_prediction: str = "linear"
 
     def __post_init__(self):
         k = "OffloadOptimizerConfig."
@@ -200,8 +206,9 @@ class OffloadOptimizerConfig:
                  f"must be True or False, got {self.delayed_update!r}")
         _require(_is_int(self.delayed_update_start) and self.delayed_update_start >= 0, k + "delayed_update_start",
                  f"must be an integer >= 0, got {self.delayed_update_start!r}")
-        _require(isinstance(self.delayed_update_prediction, bool), k + "delayed_update_prediction",
-                 f"must be True or False, got {self.delayed_update_prediction!r}")
+        _require(self.delayed_update_prediction in DELAYED_PREDICTIONS, k + "delayed_update_prediction",
+                 f"unknown prediction {self.delayed_update_prediction!r}",
+                 f"use one of {', '.join(map(repr, DELAYED_PREDICTIONS))}")
         _require(not (self.delayed_update and self.update != "host"), k + "delayed_update",
                  "overlaps the host update with the next step's forward and backward, but update is "
                  f"{self.update!r}", "set update='host', or delayed_update False")
@@ -215,7 +222,7 @@ class OffloadOptimizerConfig:
     @property
     def predicts(self) -> bool:
         """Whether delayed steps take their gradients at predicted parameters."""
-        return self.delayed_update and self.delayed_update_prediction
+        return self.delayed_update and self.delayed_update_prediction != "none"
 
 
 @configurable
@@ -391,9 +398,9 @@ class Config:
                  "OffloadParamConfig.pin_memory", "the streamed parameters are the optimizer's master weights, which "
                  f"use OffloadOptimizerConfig.pin_memory={self.offload_optimizer.pin_memory}", "set both alike")
         _require(not (self.offload_param.enabled and self.offload_optimizer.predicts),
-                 "OffloadOptimizerConfig.delayed_update_prediction", "extrapolates the device's compute copy of the "
-                 "parameters, but offload_param streams them from the host's master weights, which are not extrapolated",
-                 "set delayed_update_prediction = False (DeepSpeed's DPU), or offload_param 'none'")
+                 "OffloadOptimizerConfig.delayed_update_prediction", "predicts the device's compute copy of the "
+                 "parameters, but offload_param streams them from the host's master weights, which are not predicted",
+                 "set delayed_update_prediction = 'none' (DeepSpeed's DPU), or offload_param 'none'")
         _require(not (self.offload_param.enabled and stages > 1), "OffloadParamConfig.device",
                  "streaming parameters into pipeline stages is not built", "use a pipe axis of 1, or offload_param 'none'")
         rules = tuple(tuple(rule) for rule in self.logical_rules)

@@ -160,7 +160,8 @@ class Engine:
             compute_params=plan.compute, pending_grads=plan.host_grads if delayed else None,
             sync_state=self.onebit.shardings(self.mesh) if self.onebit is not None else None)
         # ZeRO-Offload's update (optim/offload.py), or None without offload.
-        self.offload = OffloadedUpdate(plan, config, frozenset(self.manual_axes), self._update) if plan.offload else None
+        self.offload = (OffloadedUpdate(plan, config, frozenset(self.manual_axes), self._update, self._linearized_update)
+                        if plan.offload else None)
         self._jit_compute_copy = None
         self._jit_steps: dict = {}  # phase -> the jitted step
         # Phased steps (the delayed update's start, 1-bit Adam's warm-up) pick their program on the host:
@@ -553,6 +554,21 @@ class Engine:
         take = finite if apply is None else apply & finite
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(take, a, b), new, old)
         return keep(new_params, params), keep(new_opt_state, opt_state), grad_norm, finite
+
+    def _linearized_update(self, params, opt_state, probe):
+        """The optimizer's next update as an affine function of the next gradient g, for offload's 'linear'
+        prediction: (center, slope) with U(g) ~ center + slope g, the secant through U(+probe) and
+        U(-probe), per element (exact for an elementwise optimizer at g = +-probe; `probe` is the gradient
+        just applied, so of the next one's size). Where probe is 0 the slope is 0. A secant, not jax.jvp:
+        the jvp of a division makes constants in device memory, which jax 0.10 refuses to mix with the
+        host's arrays."""
+        if self.config.grad_clip > 0:
+            probe = clip_to(probe, global_norm(probe), self.config.grad_clip)
+        up = self.optimizer.update(probe, opt_state, params)[0]
+        down = self.optimizer.update(jax.tree.map(lambda h: -h, probe), opt_state, params)[0]
+        center = jax.tree.map(lambda a, b: (a + b) * 0.5, up, down)
+        slope = jax.tree.map(lambda a, b, h: jnp.where(h != 0, (a - b) / (h + h + (h == 0)), h * 0), up, down, probe)
+        return center, slope
 
     def _train_step(self, state: TrainState, batch, phase: str = "steady"):
         """One step. `phase` (static; picked on the host by `step`): 'steady'; with offload's delayed

@@ -21,8 +21,10 @@ What it measures (one GPU, written for one NVIDIA H200 with 141 GB of device mem
   would hold several times more, but the host's 12 B/param in --host-gib (default 100 of the 128 GiB)
   caps it near 9B params (~175 layers).
 * Phase "ratio": at 1.3B (--ratio-layers 24, --ratio-batch 8), the median step time with no offload, with
-  offload (update on the host) and with offload plus the delayed parameter update (DPU, one step stale),
-  and the ratios offload / no offload and offload+DPU / no offload. Each config: initialize, compile,
+  offload (update on the host), with offload plus the delayed parameter update from the first step (DPU,
+  DeepSpeed's: one step stale) and with DPU and the 'linear' prediction (the default: 2 B/param more
+  host->device and two more optimizer evaluations on the host), and the ratios of each to no offload.
+  Each config: initialize, compile,
   2 warm-up steps, then --steps timed steps, each followed by jax.block_until_ready (timing stops early
   after --config-limit-s seconds, with at least 2 timed steps). The memory report's device and host bytes
   at rest are recorded for each.
@@ -127,10 +129,14 @@ UNIT = ["GiB", GiB]  # the tables' byte unit (--quick: MiB)
 MODES = {
     "no offload": None,
     "offload": OffloadOptimizerConfig(device="cpu", pin_memory=True, update="host", delayed_update=False),
-    "offload + DPU": OffloadOptimizerConfig(device="cpu", pin_memory=True, update="host", delayed_update=True),
+    # DPU from the first step (its default start, 50, is past the timed steps); DeepSpeed's rule, and ours
+    "offload + DPU": OffloadOptimizerConfig(device="cpu", pin_memory=True, update="host", delayed_update=True,
+                                            delayed_update_start=0, delayed_update_prediction="none"),
+    "offload + DPU linear": OffloadOptimizerConfig(device="cpu", pin_memory=True, update="host", delayed_update=True,
+                                                   delayed_update_start=0, delayed_update_prediction="linear"),
 }
 ENV_SHOWN = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "XLA_FLAGS", "JAX_PLATFORMS")
-RATIO_MODES = ("no offload", "offload", "offload + DPU")
+RATIO_MODES = ("no offload", "offload", "offload + DPU", "offload + DPU linear")
 SEARCH_MODES = ("no offload", "offload")
 # --quick: a tiny model, and fake memory limits under which the search lands on a handful of layers.
 QUICK_SETTINGS = dict(d_model=64, heads=2, vocab=256, seq=32, ratio_layers=4, ratio_batch=2, search_batch=2,

@@ -12,8 +12,12 @@ host memory (`Config.offload_optimizer`; placement in `sharding/policy.py`, docs
      compute dtype.
 With `delayed_update`, from `delayed_update_start` on, step t applies step t-1's gradients (held on the
 host in `TrainState.pending_grads`) and keeps its own, so the update does not wait for the backward pass.
-With `delayed_update_prediction` the compute copy it sends back is extrapolated, P + (P - P_before): the
-next gradient is taken where the parameters will be when it is applied, not one update behind.
+The next gradient is applied one update later, so with `delayed_update_prediction` it is taken where
+that update will have moved the parameters: 'extrapolate' sends back P + (P - P_before); 'linear' sends
+P + c and s, where c + s g is the optimizer's next update as an affine function of the next gradient (the
+secant through the gradient just applied and its negative), and the device adds s times the gradient it
+has just computed (`predicted_copy`): the next update itself, for an elementwise optimizer, to the extent
+the gradients' sizes agree, with the host still off the step's critical path.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroflax.config import Config, ConfigError
+from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.layers import all_gather_exact
 from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
@@ -52,6 +57,8 @@ class OffloadedUpdate:
     manual_axes: frozenset  # the engine's manual mesh axes (data, and pipe with a pipeline)
     # The engine's update on shards: (params, opt_state, grads, apply) -> (params, opt_state, grad_norm, finite).
     update_fn: Callable
+    # The optimizer's next update, affine in the next gradient: (params, opt_state, probe) -> (center, slope).
+    linearize_fn: Callable | None = None
 
     def compute_copy(self, params):
         """The compute-dtype copy of the master weights that the device keeps (None for streamed leaves)."""
@@ -80,7 +87,7 @@ class OffloadedUpdate:
             # Apply the previous step's gradients (none yet at the first delayed step); keep this step's.
             host_grads, pending, apply = state.pending_grads, host_grads, state.step > offload.delayed_update_start
 
-        predict = offload.predicts and delayed
+        prediction = offload.delayed_update_prediction if offload.predicts and delayed else "none"
 
         def update(params, opt_state, grads, apply, params_layout=plan.params):
             before = params
@@ -88,10 +95,14 @@ class OffloadedUpdate:
             # Pinned to the master's layout: the compute copy's all-gather (stages 1-2) happens later, on
             # the device; unpinned, XLA gathers the delayed update's select on the host instead.
             params = jax.lax.with_sharding_constraint(params, params_layout)
-            # The next gradient is applied one update later: take it where that update will have moved
-            # the parameters, guessing the update to be this one again.
-            seen = jax.tree.map(lambda new, old: new + (new - old), params, before) if predict else params
-            return params, opt_state, self.compute_copy(seen), grad_norm, finite
+            if prediction == "extrapolate":  # the next update guessed to be this one again
+                guess = jax.tree.map(lambda new, old: new + (new - old), params, before)
+                return params, opt_state, self.compute_copy(guess), grad_norm, finite
+            if prediction == "linear":  # the next update, affine in the next gradient (slope in bf16)
+                center, slope = self.linearize_fn(params, opt_state, grads)
+                guess = jax.tree.map(lambda p, u: p + u, params, center)
+                return params, opt_state, (self.compute_copy(guess), self.slope_copy(slope)), grad_norm, finite
+            return params, opt_state, self.compute_copy(params), grad_norm, finite
 
         if offload.update == "host":
             if apply is not None:
@@ -118,8 +129,32 @@ class OffloadedUpdate:
         # takes its own layout there (stages 1-2: whole, by an all-gather on the device).
         shard_layout = jax.tree.map(lambda c, s: None if c is None else s, plan.compute, on_device(plan.params),
                                     is_leaf=_is_none)
+        if prediction == "linear":
+            guess, slope = jax.device_put(compute, (shard_layout, shard_layout))
+            compute = jax.lax.with_sharding_constraint(self.predicted_copy(guess, slope, grads), shard_layout)
         compute = self.gather_compute_copy(jax.device_put(compute, shard_layout))
         return params, opt_state, compute, pending, grad_norm, finite
+
+    def slope_copy(self, slope):
+        """The slope dU/dg as it travels to the device: bf16 (it scales a correction, 3 digits are plenty)."""
+        return jax.tree.map(lambda c, d: None if c is None else d.astype(jnp.bfloat16), self.plan.compute, slope,
+                            is_leaf=_is_none)
+
+    def predicted_copy(self, guess, slope, grads):
+        """On the device, the 'linear' prediction: guess (P + center) plus slope times this step's gradient,
+        clipped as the host will clip it when it applies it; a non-finite gradient adds nothing (the host
+        will skip it, or the run stops)."""
+        norm = global_norm(grads)
+        if self.config.grad_clip > 0:
+            grads = clip_to(grads, norm, self.config.grad_clip)
+        finite = jnp.isfinite(norm)
+
+        def leaf(c, d, g):
+            if c is None:
+                return None
+            return jnp.where(finite, c.astype(jnp.float32) + d.astype(jnp.float32) * g, c).astype(c.dtype)
+
+        return jax.tree.map(leaf, guess, slope, grads, is_leaf=_is_none)
 
     def gather_compute_copy(self, shards):
         """Stages 1-2: the compute copy's shards all-gathered over `data` on the device, in the compute
