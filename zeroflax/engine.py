@@ -567,6 +567,7 @@ class Engine:
         up = self.optimizer.update(probe, opt_state, params)[0]
         down = self.optimizer.update(jax.tree.map(lambda h: -h, probe), opt_state, params)[0]
         center = jax.tree.map(lambda a, b: (a + b) * 0.5, up, down)
+        # (h == 0) keeps the division finite where the select drops it; h * 0 is a zero in host memory
         slope = jax.tree.map(lambda a, b, h: jnp.where(h != 0, (a - b) / (h + h + (h == 0)), h * 0), up, down, probe)
         return center, slope
 
