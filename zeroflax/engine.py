@@ -555,15 +555,16 @@ class Engine:
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(take, a, b), new, old)
         return keep(new_params, params), keep(new_opt_state, opt_state), grad_norm, finite
 
-    def _linearized_update(self, params, opt_state, probe):
+    def _linearized_update(self, params, opt_state, probe, probe_norm):
         """The optimizer's next update as an affine function of the next gradient g, for offload's 'linear'
         prediction: (center, slope) with U(g) ~ center + slope g, the secant through U(+probe) and
         U(-probe), per element (exact for an elementwise optimizer at g = +-probe; `probe` is the gradient
-        just applied, so of the next one's size). Where probe is 0 the slope is 0. A secant, not jax.jvp:
+        just applied, so of the next one's size, and `probe_norm` its norm, which the update has computed).
+        Where probe is 0 the slope is 0. A secant, not jax.jvp:
         the jvp of a division makes constants in device memory, which jax 0.10 refuses to mix with the
         host's arrays."""
         if self.config.grad_clip > 0:
-            probe = clip_to(probe, global_norm(probe), self.config.grad_clip)
+            probe = clip_to(probe, probe_norm, self.config.grad_clip)
         up = self.optimizer.update(probe, opt_state, params)[0]
         down = self.optimizer.update(jax.tree.map(lambda h: -h, probe), opt_state, params)[0]
         center = jax.tree.map(lambda a, b: (a + b) * 0.5, up, down)

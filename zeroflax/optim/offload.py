@@ -57,7 +57,7 @@ class OffloadedUpdate:
     manual_axes: frozenset  # the engine's manual mesh axes (data, and pipe with a pipeline)
     # The engine's update on shards: (params, opt_state, grads, apply) -> (params, opt_state, grad_norm, finite).
     update_fn: Callable
-    # The optimizer's next update, affine in the next gradient: (params, opt_state, probe) -> (center, slope).
+    # The optimizer's next update, affine in the next gradient: (params, opt_state, probe, its norm) -> (center, slope).
     linearize_fn: Callable | None = None
 
     def compute_copy(self, params):
@@ -99,7 +99,7 @@ class OffloadedUpdate:
                 guess = jax.tree.map(lambda new, old: new + (new - old), params, before)
                 return params, opt_state, self.compute_copy(guess), grad_norm, finite
             if prediction == "linear":  # the next update, affine in the next gradient (slope in bf16)
-                center, slope = self.linearize_fn(params, opt_state, grads)
+                center, slope = self.linearize_fn(params, opt_state, grads, grad_norm)
                 guess = jax.tree.map(lambda p, u: p + u, params, center)
                 return params, opt_state, (self.compute_copy(guess), self.slope_copy(slope)), grad_norm, finite
             return params, opt_state, self.compute_copy(params), grad_norm, finite
