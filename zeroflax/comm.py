@@ -522,9 +522,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         theory_by_axis[TENSOR_AXIS] = count * 2 * usage.layer_carry_bytes * (tensor - 1) / tensor
     transfers = {}
     if offload:
-        state_abs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
-            x, "sharding", None) or s), state, engine.state_shardings)
-        batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), engine.put_batch(batch))
+        state_abs, batch_abs = engine.abstract_args(state, batch)
         jaxpr = jax.make_jaxpr(engine._step_fn(batch_abs, phase))(state_abs, batch_abs).jaxpr
         to_device, to_host = host_transfers(jaxpr)
         to_device_theory, to_host_theory = host_traffic_theory(engine, phase)

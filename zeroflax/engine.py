@@ -41,6 +41,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroflax.adapters import unbox
+from zeroflax.batch import BatchLayout
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim.loss_scale import LossScaleState, init_loss_scale, update_loss_scale
 from zeroflax.optim.offload import OffloadedUpdate, on_device
@@ -665,26 +666,19 @@ class Engine:
                               "contiguous block", "order the mesh axes so each process holds whole data blocks")
         return mine[0] // per, self.data_size // per
 
+    @functools.cached_property
+    def batch_layout(self) -> BatchLayout:
+        """How the step takes its batch (`zeroflax/batch.py`: the forms a batch may come in)."""
+        return BatchLayout(self.mesh, self.train_batch_size, self.batch_share()[1], self.data_size)
+
     def check_batch(self, batch) -> None:
-        """Global arrays must hold train_batch_size rows; host (numpy) data this process's share of them."""
-        local = self.train_batch_size // self.batch_share()[1]
-        for x in jax.tree.leaves(batch):
-            expected = self.train_batch_size if isinstance(x, jax.Array) else local
-            if np.ndim(x) == 0 or np.shape(x)[0] != expected:
-                raise ConfigError(
-                    "Config.train_batch_size",
-                    f"a batch leaf has shape {np.shape(x)}, expected {expected} rows (train_batch_size "
-                    f"{self.train_batch_size} = micro_batch_size x grad_accum_steps x data-parallel size "
-                    f"{self.data_size}, split over {self.batch_share()[1]} process(es))",
-                    "feed batches of train_batch_size examples")
+        """Global arrays must hold train_batch_size rows; host data (and arrays this process holds whole)
+        this process's share of them."""
+        self.batch_layout.check(batch)
 
     def put_batch(self, batch):
-        """The batch as global arrays split over `data`; host data is this process's rows of it."""
-        self.check_batch(batch)
-        sharding = NamedSharding(self.mesh, P(DATA_AXIS))
-        rows = self.train_batch_size
-        return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.make_array_from_process_local_data(
-            sharding, np.asarray(x), (rows,) + np.shape(x)[1:]), batch)
+        """The batch as global arrays split over `data` (any form `zeroflax/batch.py` lists)."""
+        return self.batch_layout.place(batch)
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step over `batch` (train_batch_size examples). `state` is donated."""
@@ -732,22 +726,18 @@ class Engine:
         phase = phase or self.phases[-1]
         state_abs, batch_abs = self.abstract_args(state, batch)
         key = phase, jax.tree.structure((state_abs, batch_abs)), tuple(
-            (s.shape, str(s.dtype)) for s in jax.tree.leaves((state_abs, batch_abs)))
+            (s.shape, str(s.dtype), s.sharding) for s in jax.tree.leaves((state_abs, batch_abs)))
         if key not in self._compiled:
-            self._compiled[key] = self._step_fn(batch, phase).lower(state_abs, batch_abs).compile()
+            self._compiled[key] = self._step_fn(batch_abs, phase).lower(state_abs, batch_abs).compile()
         return self._compiled[key]
 
     def abstract_args(self, state, batch):
         """(state, batch) as the step compiles them: shapes, dtypes and shardings (memory kinds included;
-        the plan's where an argument has none). Either may be concrete or abstract."""
-        if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
-            batch = self.put_batch(batch)
+        the plan's where a state leaf has none; the step's own for the batch, as `step` reshards it).
+        Either may be concrete or abstract; no data moves."""
         state_abs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
             x, "sharding", None) or s), state, self.state_shardings)
-        rows = NamedSharding(self.mesh, P(DATA_AXIS))
-        batch_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(
-            x, "sharding", None) or rows), batch)
-        return state_abs, batch_abs
+        return state_abs, self.batch_layout.abstract(batch)
 
     def memory_report(self, state, batch, by: str = "category"):
         """Per-device memory of the compiled step: by category beside ZeRO's theory (`memory.py`), or

@@ -209,9 +209,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
     pending = shard_bytes(abstract.pending_grads, shardings.pending_grads)
     other = (shard_bytes(abstract.step, shardings.step) + shard_bytes(abstract.rng, shardings.rng)
              + shard_bytes(abstract.loss_scale, shardings.loss_scale))
-    # Host data is this process's rows of the batch; every device holds 1/data_size of the whole.
-    batch_bytes = sum(_bytes(x) * (1 if isinstance(x, jax.Array) else engine.batch_share()[1])
-                      for x in jax.tree.leaves(batch)) // engine.data_size
+    batch_bytes = engine.batch_layout.bytes_per_device(batch)  # 1/data_size of the global batch
     # Stages 0-1 accumulate unreduced gradients in full; stages 2-3 hold one shard.
     with_data = engine.config.zero_stage >= 2
     grad_shardings = jax.tree.map(lambda p: jax.sharding.NamedSharding(plan.mesh, p.spec(with_data)),
