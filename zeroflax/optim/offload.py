@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zeroflax.compat import on_host
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.layers import all_gather_exact
@@ -108,7 +108,7 @@ class OffloadedUpdate:
             if apply is not None:
                 apply = jax.device_put(apply, NamedSharding(plan.mesh, P(), memory_kind=self.config.host_memory_kind))
             try:
-                params, opt_state, compute, grad_norm, finite = compute_on("device_host")(jax.jit(update))(
+                params, opt_state, compute, grad_norm, finite = on_host(update)(
                     state.params, state.opt_state, host_grads, apply)
             except ValueError as error:
                 if "memory_space" not in str(error):
