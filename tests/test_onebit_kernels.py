@@ -166,27 +166,50 @@ def test_inside_shard_map():
         f(jax.device_put(x, rows), jax.device_put(error, rows), jax.device_put(scale, replicated))
 
 
-def _triton_calls(f, *spec):
+def _triton_calls(build, *spec, mesh=None):
+    """The custom calls of `build(target)` lowered for CUDA, and the export. zeroflax.compat.lowering_for_gpu
+    gives the target GPU that jax 0.11's Triton lowering asks for, and the mesh a shard_map inside must use
+    (`mesh` on jax 0.10; its abstract twin carrying the GPU on 0.11)."""
+    from zeroflax.compat import lowering_for_gpu
+
     # The Triton custom call has no export-compatibility guarantee, hence the disabled check (fine
     # here: the module is inspected, never serialized).
-    exported = jax.export.export(
-        f, platforms=("cuda",),
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*spec)
+    with lowering_for_gpu(mesh) as target:
+        exported = jax.export.export(
+            build(target), platforms=("cuda",),
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*spec)
     return re.findall(r"custom_call @([\w$.]+)", exported.mlir_module()), exported
 
 
 def test_pallas_lowers_for_cuda():
     """Pallas -> Triton IR for all three kernels, on this CPU-only machine, plainly and inside a
-    shard_map with check_vma=True. (Triton's own compile to PTX happens in XLA:GPU, not covered.)"""
+    shard_map with check_vma=True. (Triton's own compile to PTX happens in XLA:GPU, not covered.)
+    tests/test_cuda_lowering.py lowers them at the GPU pass's shapes."""
     rows, cols = 3, 4104
     spec = (jax.ShapeDtypeStruct((rows, cols), jnp.float32),) * 2 + (jax.ShapeDtypeStruct((rows,), jnp.float32),)
-    calls, exported = _triton_calls(jax.jit(functools.partial(_all, impl="pallas")), *spec)
+    calls, exported = _triton_calls(lambda _: jax.jit(functools.partial(_all, impl="pallas")), *spec)
     assert calls == ["__gpu$xla.gpu.triton"] * 3, calls
     assert [a.shape for a in exported.out_avals] == [(rows, cols // 8), (rows, cols), (rows, cols), (cols,)]
     assert [a.dtype for a in exported.out_avals] == [jnp.uint8] + [jnp.float32] * 3
 
-    f, sharded, replicated = _sharded("pallas", check_vma=True)
-    spec = (jax.ShapeDtypeStruct((4 * rows, cols), jnp.float32, sharding=sharded),) * 2 + (
+    # _sharded's program over the mesh that lowering_for_gpu gives (_sharded makes its own CPU mesh).
+    mesh = jax.make_mesh((2, 4), ("pipe", "data"))
+    row = P("data")
+
+    def sharded(target):
+        @jax.jit
+        @functools.partial(jax.shard_map, mesh=target, in_specs=(row, row, P()), out_specs=(row,) * 4,
+                           check_vma=True)
+        def f(x, error, scale):
+            bits, new_error = pack_signs(x, error, scale, impl="pallas")
+            values = unpack_signs(bits, scale, average=False, impl="pallas")
+            gathered = jax.lax.all_gather(scale[0], "data")[: scale.shape[0]]
+            mean = unpack_signs(bits, gathered, average=True, impl="pallas")
+            return bits, new_error, values, mean[None]
+        return f
+
+    sharded_rows, replicated = jax.sharding.NamedSharding(mesh, row), jax.sharding.NamedSharding(mesh, P())
+    spec = (jax.ShapeDtypeStruct((4 * rows, cols), jnp.float32, sharding=sharded_rows),) * 2 + (
         jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=replicated),)
-    calls, _ = _triton_calls(f, *spec)
+    calls, _ = _triton_calls(sharded, *spec, mesh=mesh)
     assert calls == ["__gpu$xla.gpu.triton"] * 3, calls
