@@ -53,8 +53,8 @@ What it measures (one GPU, written for one NVIDIA H200 with 141 GB of device mem
 Usage (on the GPU machine, from the repository root; about 6-8 minutes on one H200):
     python benchmarks/gpu/offload.py --json offload.json
 Options: --phases ratio search, --budget-s 450, --ratio-budget-s 200, --steps 5, --ratio-layers 24,
---ratio-batch 8, --search-batch 1, --probe-layers 32 96, --max-layers 1024, --host-gib 100, --zero-stage 2,
---remat full, --d-model 2048 --heads 16 --vocab 50304 --seq 1024.
+--ratio-batch 8, --ratio-modes (default: all four), --search-batch 1, --probe-layers 32 96, --max-layers 1024,
+--host-gib 100, --zero-stage 2, --remat full, --d-model 2048 --heads 16 --vocab 50304 --seq 1024.
 Smoke run on a CPU: --quick (d 64, 2-11 layers, seq 32, vocab 256, batch 2, 3 timed steps, fake memory
 limits of 8 MiB device and 6 MiB host so that the search iterates; the numbers mean nothing; about a
 minute on 2 cores).
@@ -286,7 +286,7 @@ def time_config(mode: str, args, device, limits, rec: Recorder) -> dict:
 
 def ratio_phase(args, device, limits, clock: Clock, rec: Recorder) -> list[dict]:
     rows, phase_start, last_cost = [], clock.elapsed(), None
-    for mode in RATIO_MODES:
+    for mode in args.ratio_modes:
         spent = clock.elapsed() - phase_start
         estimate = last_cost or 0.0
         if spent + estimate > args.ratio_budget_s or clock.elapsed() + estimate > clock.budget_s:
@@ -614,6 +614,9 @@ def parse_args(argv=None):
     ap.add_argument("--remat", default="full", choices=["none", "full", "dots", "dots_no_batch"])
     ap.add_argument("--ratio-layers", type=int, default=24, help="24 layers at d 2048: 1.31B params")
     ap.add_argument("--ratio-batch", type=int, default=8, help="sequences per step in the ratio phase")
+    ap.add_argument("--ratio-modes", nargs="+", default=list(RATIO_MODES), choices=list(RATIO_MODES),
+                    help="the configurations the ratio phase times, in this order ('no offload' first: the "
+                         "ratios are to it)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per config (after compile + warm-up)")
     ap.add_argument("--config-limit-s", type=float, default=60.0,
@@ -675,7 +678,8 @@ def main(argv=None):
                               offload_host="12 B/param (fp32 params 4 + Adam 8), +4 with the delayed update",
                               device_need="memory_analysis: argument + temp + output - alias (host state excluded)",
                               host_need="max(host-resident state, XLA's host argument + temp)"),
-                args=vars(args), command=" ".join([os.path.basename(sys.executable)] + sys.argv))
+                args=vars(args), command=" ".join([os.path.basename(sys.executable)] + (
+                    sys.argv if argv is None else ["benchmarks/gpu/offload.py", *argv])))
     print(json.dumps(meta, indent=1))
     print(limit_note, flush=True)
     if device.platform != "gpu" and not args.quick:

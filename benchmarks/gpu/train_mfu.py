@@ -28,7 +28,9 @@ no gin-config and no tensorboardX):
 Usage (on the GPU machine, from the repository root; about 3-5 minutes on one H200):
     python benchmarks/gpu/train_mfu.py --json train_mfu.json
 Options: --sizes 125m 350m 1.3b, --remat none|full|dots|dots_no_batch, --attention dense|cudnn|xla,
---batch N (all sizes), --steps N, --peak-tflops F. Smoke run on a CPU: --quick (a 2-layer model).
+--batch N (all sizes), --steps N, --peak-tflops F, --budget-s S with --skip-by-estimate (a size starts only if
+the last size's wall time still fits). Smoke run on a CPU: --quick (a 2-layer model). The GPU pass
+(benchmarks/gpu/pass.sh, part e) calls main() with --sizes 1.3b 350m 125m --attention cudnn --skip-by-estimate.
 """
 from __future__ import annotations
 
@@ -185,14 +187,26 @@ def markdown(rows, peak) -> str:
 
 
 def git_commit() -> str | None:
+    """HEAD's commit: `git rev-parse HEAD`, or where there is no git binary (the GPU image) .git's files
+    read directly (passlib.read_commit; else env COMMIT)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        if out:
+            return out
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import passlib
+
+        commit = passlib.read_commit()[0]
+        return None if commit == "unknown" else commit
     except Exception:  # noqa: BLE001
         return None
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--vocab", type=int, default=50304, help="50304: GPT-2's 50257 padded to a multiple of 64")
@@ -205,10 +219,16 @@ def main():
     ap.add_argument("--steps", type=int, default=20, help="timed steps per size (after compile + 2 warm-up)")
     ap.add_argument("--size-limit-s", type=float, default=60.0, help="stop timing a size after this many seconds")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip sizes that would start after this")
+    ap.add_argument("--skip-by-estimate", action="store_true",
+                    help="also skip a size when the last size's wall time would take it past --budget-s")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak; 989 = H200 SXM")
     ap.add_argument("--quick", action="store_true", help="a tiny 2-layer model, seq 64, vocab 256 (CPU smoke test)")
     ap.add_argument("--json", default="train_mfu.json")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     sizes = {name: SIZES[name] for name in args.sizes}
     if args.quick:
         sizes, args.seq, args.vocab, args.steps = QUICK, 64, 256, 3
@@ -220,19 +240,25 @@ def main():
                 memory_limit_bytes=memory_limit(device),
                 flops_formula="6 * Psi + 12 * layers * seq * d_model per token (fwd+bwd; Psi excludes the "
                               "position table; remat recomputation not counted)",
-                command=" ".join([os.path.basename(sys.executable)] + sys.argv))
+                command=" ".join([os.path.basename(sys.executable)]
+                                 + (sys.argv if argv is None else ["benchmarks/gpu/train_mfu.py", *argv])))
     print(json.dumps(meta, indent=1))
     if device.platform != "gpu" and not args.quick:
         print(f"warning: running on {device.platform}, not a GPU; try --quick", file=sys.stderr)
 
     rows = []
     begin = time.perf_counter()
-    for name, spec in sizes.items():
+    last_cost = 0.0  # the last size's wall time: what the next one is expected to take at most (sizes run
+    for name, spec in sizes.items():  # largest first in the GPU pass; in the default order it underestimates)
         elapsed = time.perf_counter() - begin
-        if elapsed > args.budget_s:
-            rows.append(dict(size=name, error=f"skipped: {elapsed:.0f}s spent, budget {args.budget_s:.0f}s"))
+        if elapsed > args.budget_s or (args.skip_by_estimate and elapsed + last_cost > args.budget_s):
+            rows.append(dict(size=name, error=f"skipped: {elapsed:.0f}s spent, the last size took {last_cost:.0f}s, "
+                                              f"budget {args.budget_s:.0f}s"))
             continue
+        start = time.perf_counter()
         row = run_size(name, spec, args, device)
+        last_cost = time.perf_counter() - start
+        row["wall_s"] = last_cost
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.json, "w") as f:  # after every size, so a timeout keeps what was measured
