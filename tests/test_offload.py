@@ -54,11 +54,13 @@ def test_offload_trains_as_without(model, stage, offload, stream):
     kinds = {s.memory_kind for s in jax.tree.leaves((engine.plan.params, engine.plan.opt_state))}
     assert kinds == {"pinned_host"}
     expected = baseline(model, stage)
-    if offload.update == "device":
+    assert relative_error(params, expected) <= 1e-6
+    if offload.update == "device" and jax.__version_info__ < (0, 12):
+        # The same update on the same device: bitwise on jax 0.10 and 0.11. jax 0.12.0.1's XLA compiles
+        # the update with the state brought from the host differently (mlp at stage 2: 4 of 8 elements
+        # of one leaf off by 1 ulp, 2.7e-7 relative), so there the bound above is the claim.
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
             np.testing.assert_array_equal(a, b)
-    else:
-        assert relative_error(params, expected) <= 1e-6
 
 
 COMPOSED = {  # design.md section 8's grid: offload beside the other parts of the step (32 rows per batch)
