@@ -126,7 +126,17 @@ def test_accumulation_matches_whole_batch(stage, seed):
     assert relative_error(params, reference) <= TOL, f"seed {seed}"
 
 
-@pytest.mark.parametrize("model,stage", [("mlp", 2), ("mlp", 3), ("gpt", 3), ("conv", 1)])
+# XLA:CPU's runtime from jaxlib 0.11 on (docs/perf.md, "jax 0.11 on simulated CPU devices"): this GPT's
+# stage-3 step on data 4 x tensor 2 schedules two entry gathers after the layer loop, ordered only by the
+# loop's start, and with every shard_map collective on channel id 1 a device can join another collective's
+# rendezvous: an abort, a hang or a NaN loss, in 4 of 4 runs of this case alone. Not seen on jax 0.10.2
+# (this case passes there in every suite run) nor possible on GPUs (NCCL runs collectives in issue order).
+XLA_CPU_RACE = pytest.mark.skipif(jax.__version_info__ >= (0, 11), reason="XLA:CPU collective race on jaxlib >= 0.11 "
+                                  "(docs/perf.md): aborts the process")
+
+
+@pytest.mark.parametrize("model,stage", [("mlp", 2), ("mlp", 3), pytest.param("gpt", 3, marks=XLA_CPU_RACE),
+                                         ("conv", 1)])
 def test_data_by_tensor_mesh(model, stage, seed):
     boxed, loss, batches = make_case(model, seed)
     optimizer = adamw()
