@@ -28,7 +28,6 @@ several programs (`Engine.phases`), picked on the host from the step number.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from typing import Any, Callable
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from zeroflax.adapters import unbox
 from zeroflax.batch import BatchLayout
