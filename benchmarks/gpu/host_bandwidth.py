@@ -35,18 +35,10 @@ import shapes  # noqa: E402
 
 
 def _median_time(make, repeats: int) -> tuple[float, float]:
-    """(median, min) seconds of ``make()`` (which returns what to block on), after one warm-up call."""
-    import jax
-
-    jax.block_until_ready(make())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = make()
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t)
-        del out
-    return statistics.median(times), min(times)
+    """(median, min) seconds of ``make()`` (which returns what to block on), after one warm-up call:
+    each sample is one transfer, waited for."""
+    t = passlib.time_batched(make, (), samples=repeats, min_sample_s=0.0, warmup=0)
+    return t["median_s"], t["min_s"]
 
 
 def run(smoke: bool, deadline: float | None = None, on_row=None) -> dict:

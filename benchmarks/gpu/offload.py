@@ -76,6 +76,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
 QUICK = "--quick" in sys.argv[1:]
 if QUICK:  # a CPU smoke run: one CPU device, and XLA's cheapest compiles (the step is compiled ~12 times)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -118,6 +119,7 @@ def _load_train_mfu():
 _train_mfu = _load_train_mfu()
 git_commit, is_oom, memory_limit = _train_mfu.git_commit, _train_mfu.is_oom, _train_mfu.memory_limit
 
+import passlib  # noqa: E402  (benchmarks/gpu: standard library only)
 import zeroflax  # noqa: E402
 from zeroflax import Config, MeshConfig, OffloadOptimizerConfig, OffloadParamConfig  # noqa: E402
 from zeroflax.memory import state_bytes_by_memory  # noqa: E402
@@ -579,29 +581,6 @@ def compile_table(rows) -> str:
     return "\n".join(lines)
 
 
-def host_memory() -> dict:
-    """The machine's memory and the container's limit (cgroup v2 or v1), in bytes, where readable."""
-    out = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                if key in ("MemTotal", "MemAvailable"):
-                    out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-            if text.isdigit() and int(text) < 2**60:
-                out["cgroup_limit"] = int(text)
-            break
-        except OSError:
-            continue
-    return out
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phases", nargs="+", default=["ratio", "search"], choices=["ratio", "search"])
@@ -647,7 +626,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     device = jax.devices()[0]
-    memory = host_memory()
+    memory = passlib.host_memory()
     pool = float(os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]) * GiB
     if args.quick:
         UNIT[:] = ["MiB", MiB]

@@ -72,6 +72,26 @@ def read_commit(root: str = ROOT) -> tuple[str, str]:
 
 
 # --------------------------------------------------------------------------------------------- JSON
+def host_memory() -> dict:
+    """The machine's memory and the container's limit (cgroup v2 or v1), in bytes, where readable, and
+    the CPU count."""
+    out = {}
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key in ("MemTotal", "MemAvailable") and value.split():
+            out[key] = int(value.split()[0]) * 1024
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = _read(path)
+        if text is None:
+            continue
+        text = text.strip()
+        if text.isdigit() and int(text) < 2**60:
+            out["cgroup_limit"] = int(text)
+        break
+    out["cpus"] = os.cpu_count()
+    return out
+
+
 def _clean(x):
     """JSON-safe: NaN and infinities become strings (json.dump would write invalid JSON)."""
     if isinstance(x, float) and not math.isfinite(x):

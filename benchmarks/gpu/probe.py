@@ -45,16 +45,6 @@ def versions() -> dict:
     return out
 
 
-def host_memory() -> dict:
-    out = {}
-    for line in (passlib._read("/proc/meminfo") or "").splitlines():
-        key, _, value = line.partition(":")
-        if key in ("MemTotal", "MemAvailable") and value.split():
-            out[key] = int(value.split()[0]) * 1024
-    out["cpus"] = os.cpu_count()
-    return out
-
-
 def run(smoke: bool, samples: int = 10, sample_s: float = 0.03) -> dict:
     import jax
     import jax.numpy as jnp
@@ -66,7 +56,7 @@ def run(smoke: bool, samples: int = 10, sample_s: float = 0.03) -> dict:
                 commit=commit, commit_source=commit_source, versions=versions(), platform=device.platform,
                 device_kind=device.device_kind, device_count=jax.device_count(),
                 devices=[d.device_kind for d in jax.devices()],
-                device_memory_limit=(stats or {}).get("bytes_limit"), host_memory=host_memory(), smoke=smoke,
+                device_memory_limit=(stats or {}).get("bytes_limit"), host_memory=passlib.host_memory(), smoke=smoke,
                 xla_flags=os.environ.get("XLA_FLAGS"), jax_platforms=os.environ.get("JAX_PLATFORMS"))
     rows = []
 
