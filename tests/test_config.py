@@ -61,9 +61,9 @@ INVALID = {
     "logical name without rule": (
         lambda: zeroflax.initialize(loss_fn, PARAMS, optax.sgd(0.1), Config(),
                                     logical_axes={"w": ("embed", "experts")}), "Config.logical_rules"),
-    "wrong number of logical names": (
+    "more logical names than dimensions": (
         lambda: zeroflax.initialize(loss_fn, PARAMS, optax.sgd(0.1), Config(),
-                                    logical_axes={"w": ("embed",)}), "logical_axes"),
+                                    logical_axes={"w": ("embed", "mlp", "heads")}), "logical_axes"),
     "1-bit Adam's clipping rule as string": (lambda: TrainConfig(onebit_local_clip="yes"),
                                              "TrainConfig.onebit_local_clip"),
 }

@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroflax.sharding.layers import current_context, gather, in_host_memory, is_handle, layer_context, mark_boundary, remat_policy
+from zeroflax.sharding.layers import (current_context, gather, global_shape_view, in_host_memory, is_handle, layer_context,
+                                      mark_boundary, remat_policy)
 from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END
 
 _group_depth = [0]
@@ -215,6 +216,11 @@ def _linen_interceptor(next_fun, args, kwargs, context):
     direct parameters (those of the model itself, or of a module too big to be one group)."""
     module = context.module
     ctx = current_context()
+    if ctx is not None and not in_group() and context.method_name == "setup":
+        # setup() declares parameters before any method of the module is intercepted: Flax's shape
+        # check there must see the declared shapes, not this device's shards.
+        with global_shape_view():
+            return next_fun(*args, **kwargs)
     if (ctx is None or in_group() or context.method_name == "setup" or module.scope is None
             or module.is_initializing()):
         return next_fun(*args, **kwargs)

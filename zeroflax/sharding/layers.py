@@ -237,12 +237,23 @@ class ShardedLeaf:
     source: Any = None
 
     def tree_flatten(self):
+        if _shape_views[0]:  # a model's own shape checks are looking: one leaf of the gathered shape
+            return (GlobalShapeView(self),), None
         return (self.shard, self.source), (self.dim, self.axis, self.compute_dtype, self.shape, self.index, self.quant_block,
                                self.sliced)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
+        if aux is None:  # flattened as a view (a tree map that kept the leaf gives the view back)
+            view = children[0]
+            return view.handle if isinstance(view, GlobalShapeView) else view
         return cls(children[0], *aux, source=children[1])
+
+    @property
+    def global_shape(self) -> tuple:
+        """The shape the model declared: the gathered shape, after the layer dimensions of a stack."""
+        extra = getattr(self.shard, "ndim", len(self.shape)) - len(self.shape)
+        return tuple(self.shard.shape[:extra]) + tuple(self.shape)
 
     @property
     def stacked(self) -> bool:
@@ -282,6 +293,42 @@ class ShardedLeaf:
             "this parameter is held ZeRO-3 sharded; gather it where it is used with zeroflax.gather(...), run "
             "its module as a gather group (Flax modules are, automatically) or iterate over a stack of layers "
             "with zeroflax.scan_layers")
+
+
+_shape_views = [0]
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalShapeView:
+    """What a ZeRO-3 handle flattens to inside `global_shape_view()`: a leaf with the declared (gathered)
+    shape and the compute dtype, for code that checks shapes of the parameters it is handed."""
+
+    handle: ShardedLeaf
+
+    @property
+    def shape(self) -> tuple:
+        return self.handle.global_shape
+
+    @property
+    def dtype(self):
+        return self.handle.compute_dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@contextlib.contextmanager
+def global_shape_view():
+    """While active, ZeRO-3 handles flatten to one `GlobalShapeView` leaf each (and come back whole from
+    a tree map that keeps it). Flax's `Scope.param` compares `np.shape` of an existing parameter's
+    leaves with its initializer's shape; in a module's `setup()`, which Flax runs before any method
+    interceptor, the parameter is still a handle, and its shard's shape would fail that check."""
+    _shape_views[0] += 1
+    try:
+        yield
+    finally:
+        _shape_views[0] -= 1
 
 
 def is_handle(x) -> bool:

@@ -148,9 +148,12 @@ def place_params(abstract_params, logical_axes, mesh: Mesh, config: Config):
             stacked = False
         else:
             names = tuple(names)
-            if len(names) != len(shape):
+            if len(names) > len(shape):
                 raise ConfigError("logical_axes", f"parameter {path_str} has shape {shape} but "
-                                  f"{len(names)} logical names {names}", "give one name (or None) per dimension")
+                                  f"{len(names)} logical names {names}", "give at most one name (or None) per dimension")
+            # Fewer names than dimensions leave the trailing ones unnamed, as a PartitionSpec does (and so
+            # Flax's own boxes: lm1b's attention kernels have 3 dimensions and 2 names).
+            names = names + (None,) * (len(shape) - len(names))
             base = logical_to_mesh_axes(names, config.logical_rules, mesh, path_str, shape)
             stacked = len(names) > 0 and names[0] == LAYERS_AXIS
             if stacked and pipe_size(mesh) > 1:  # pipeline: each stage holds its own layers

@@ -1,0 +1,193 @@
+"""Real models from public codebases, used unchanged (tests/real_models/*/SOURCES), at tiny shapes.
+
+Each case gives what a user of that codebase already has: the model's own `init` output (boxed with
+logical axes where the model declares them), a loss written as that codebase's training loop writes it,
+and a few fixed-seed batches. Dropout is off (deterministic), so each case can be compared with a plain
+single-device optax loop. `case(name, seq_len=...)` changes the sequence length of the sequence models
+(the recurrent-cell checks compare 12 and 48 steps).
+
+Library versions: the files need only flax (linen), jax and numpy; they ran with flax 0.12.8 on jax 0.10.2
+and jax 0.11.2 (the versions of .ci/run).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import pathlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = pathlib.Path(__file__).parent / "real_models"
+STEPS = 3
+GLOBAL_BATCH = 16  # 8 simulated devices x 2: one micro-batch per device and step
+
+
+@functools.cache
+def flax_example(name: str):
+    """`examples/<name>/models.py` of Flax's repository, imported from tests/real_models/flax_examples."""
+    path = HERE / "flax_examples" / name / "models.py"
+    spec = importlib.util.spec_from_file_location(f"flax_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclasses.dataclass
+class Case:
+    """One real model: `variables` as its `init` returns them, `loss(params, batch, rng[, state])`."""
+
+    name: str
+    variables: Any  # {'params': ..., other collections}
+    loss: Callable
+    batches: list
+    model_state: tuple = ()  # collections kept as model state (BatchNorm's batch_stats)
+    recurrent: bool = False  # a cell reused at every step of a scan (communication must not grow with length)
+
+    @property
+    def params(self):
+        return self.variables["params"]
+
+    def init_arg(self):
+        """What `zeroflax.initialize` takes as parameters: the params alone, or the whole variables dict."""
+        return self.variables if self.model_state else self.params
+
+
+def _cross_entropy(logits, labels):
+    logits = logits.astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1))
+
+
+def _tokens(rng, vocab, length, batch=GLOBAL_BATCH):
+    return rng.integers(2, vocab, size=(batch, length)).astype(np.int32)
+
+
+def lm1b(seq_len: int = 16) -> Case:
+    """Flax's lm1b TransformerLM (decoder-only, logical axes on every parameter, nn.Embed)."""
+    models = flax_example("lm1b")
+    config = models.TransformerConfig(vocab_size=64, output_vocab_size=64, emb_dim=32, num_heads=4, num_layers=2,
+                                      qkv_dim=32, mlp_dim=64, max_len=64, dropout_rate=0.0,
+                                      attention_dropout_rate=0.0, deterministic=True)
+    model = models.TransformerLM(config)
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": _tokens(rng, 64, seq_len)} for _ in range(STEPS)]
+    variables = model.init(jax.random.PRNGKey(0), batches[0]["tokens"][:1])
+
+    def loss(params, batch, rng):
+        logits = model.apply({"params": params}, batch["tokens"])
+        return _cross_entropy(logits, batch["tokens"])
+
+    return Case("lm1b", variables, loss, batches)
+
+
+def wmt(seq_len: int = 12) -> Case:
+    """Flax's wmt Transformer: encoder-decoder, one embedding shared by encoder, decoder and the logits
+    (`share_embeddings`, `logits_via_embedding`: the head is `Embed.attend`)."""
+    models = flax_example("wmt")
+    config = models.TransformerConfig(vocab_size=48, output_vocab_size=48, share_embeddings=True,
+                                      logits_via_embedding=True, emb_dim=32, num_heads=4, num_layers=2, qkv_dim=32,
+                                      mlp_dim=64, max_len=64, dropout_rate=0.0, attention_dropout_rate=0.0,
+                                      deterministic=True)
+    model = models.Transformer(config)
+    rng = np.random.default_rng(1)
+    batches = [{"inputs": _tokens(rng, 48, seq_len), "targets": _tokens(rng, 48, seq_len)} for _ in range(STEPS)]
+    variables = model.init(jax.random.PRNGKey(0), batches[0]["inputs"][:1], batches[0]["targets"][:1])
+
+    def loss(params, batch, rng):
+        logits = model.apply({"params": params}, batch["inputs"], batch["targets"])
+        return _cross_entropy(logits, batch["targets"])
+
+    return Case("wmt", variables, loss, batches)
+
+
+def nlp_seq(seq_len: int = 12) -> Case:
+    """Flax's nlp_seq Transformer encoder (part-of-speech tagging)."""
+    models = flax_example("nlp_seq")
+    config = models.TransformerConfig(vocab_size=40, output_vocab_size=10, emb_dim=32, num_heads=4, num_layers=2,
+                                      qkv_dim=32, mlp_dim=64, max_len=64, dropout_rate=0.0,
+                                      attention_dropout_rate=0.0)
+    model = models.Transformer(config)
+    rng = np.random.default_rng(2)
+    batches = [{"tokens": _tokens(rng, 40, seq_len), "tags": _tokens(rng, 10, seq_len)} for _ in range(STEPS)]
+    variables = model.init(jax.random.PRNGKey(0), inputs=batches[0]["tokens"][:1], train=False)
+
+    def loss(params, batch, rng):
+        logits = model.apply({"params": params}, inputs=batch["tokens"], train=False)
+        return _cross_entropy(logits, batch["tags"])
+
+    return Case("nlp_seq", variables, loss, batches)
+
+
+def imagenet() -> Case:
+    """Flax's imagenet ResNet (one stage of ResNet blocks) with its BatchNorm written for pmap
+    (`axis_name='batch'`); the batch statistics are model state."""
+    models = flax_example("imagenet")
+    model = models.ResNet(stage_sizes=[1, 1], block_cls=models.ResNetBlock, num_classes=10, num_filters=8)
+    rng = np.random.default_rng(3)
+    batches = [{"image": rng.normal(size=(GLOBAL_BATCH, 16, 16, 3)).astype(np.float32),
+                "label": rng.integers(0, 10, size=(GLOBAL_BATCH,)).astype(np.int32)} for _ in range(STEPS)]
+    variables = jax.jit(functools.partial(model.init, train=False))(jax.random.PRNGKey(0), batches[0]["image"][:1])
+
+    def loss(params, batch, rng, state):
+        logits, new_state = model.apply({"params": params, **state}, batch["image"], mutable=list(state))
+        return _cross_entropy(logits, batch["label"]), new_state
+
+    return Case("imagenet", dict(variables), loss, batches, model_state=("batch_stats",))
+
+
+def sst2(seq_len: int = 12) -> Case:
+    """Flax's sst2 TextClassifier: submodules declared in setup(), a bidirectional LSTM (nn.scan over an
+    OptimizedLSTMCell, reused at every step), attention pooling."""
+    models = flax_example("sst2")
+    model = models.TextClassifier(embedding_size=16, hidden_size=16, vocab_size=50, output_size=2,
+                                  dropout_rate=0.0, word_dropout_rate=0.0, deterministic=True)
+    rng = np.random.default_rng(4)
+    batches = [{"tokens": _tokens(rng, 50, seq_len),
+                "lengths": rng.integers(seq_len // 2, seq_len + 1, size=(GLOBAL_BATCH,)).astype(np.int32),
+                "label": rng.integers(0, 2, size=(GLOBAL_BATCH,)).astype(np.int32)} for _ in range(STEPS)]
+    variables = model.init(jax.random.PRNGKey(0), batches[0]["tokens"][:1], batches[0]["lengths"][:1])
+
+    def loss(params, batch, rng):
+        logits = model.apply({"params": params}, batch["tokens"], batch["lengths"])
+        return _cross_entropy(logits, batch["label"])
+
+    return Case("sst2", variables, loss, batches, recurrent=True)
+
+
+def seq2seq(seq_len: int = 12) -> Case:
+    """Flax's seq2seq: an LSTM encoder and a decoder cell (nn.RNN), both reused at every step."""
+    models = flax_example("seq2seq")
+    vocab = 12
+    model = models.Seq2seq(teacher_force=True, hidden_size=16, vocab_size=vocab)
+    rng = np.random.default_rng(5)
+
+    def one_hot(tokens):
+        return np.eye(vocab, dtype=np.float32)[tokens]
+
+    batches = []
+    for _ in range(STEPS):
+        query = _tokens(rng, vocab, seq_len)
+        query[:, -1] = 1  # eos_id: the encoder reads up to it
+        answer = _tokens(rng, vocab, seq_len + 1)
+        batches.append({"query": one_hot(query), "answer": one_hot(answer), "labels": answer[:, 1:]})
+    key = jax.random.PRNGKey(0)
+    variables = model.init({"params": key, "lstm": key}, batches[0]["query"][:1], batches[0]["answer"][:1])
+
+    def loss(params, batch, rng):
+        # The decoder samples a prediction with the 'lstm' stream; with teacher forcing the logits do not
+        # depend on it, so a fixed key keeps the loss deterministic.
+        logits, _ = model.apply({"params": params}, batch["query"], batch["answer"],
+                                rngs={"lstm": jax.random.PRNGKey(1)})
+        return _cross_entropy(logits, batch["labels"])
+
+    return Case("seq2seq", variables, loss, batches, recurrent=True)
+
+
+CASES = {"lm1b": lm1b, "wmt": wmt, "nlp_seq": nlp_seq, "imagenet": imagenet, "sst2": sst2, "seq2seq": seq2seq}
+
+
+def case(name: str, **kwargs) -> Case:
+    return CASES[name](**kwargs)
