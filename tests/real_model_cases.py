@@ -164,24 +164,24 @@ def seq2seq(seq_len: int = 12) -> Case:
     model = models.Seq2seq(teacher_force=True, hidden_size=16, vocab_size=vocab)
     rng = np.random.default_rng(5)
 
-    def one_hot(tokens):
-        return np.eye(vocab, dtype=np.float32)[tokens]
-
     batches = []
     for _ in range(STEPS):
         query = _tokens(rng, vocab, seq_len)
         query[:, -1] = 1  # eos_id: the encoder reads up to it
-        answer = _tokens(rng, vocab, seq_len + 1)
-        batches.append({"query": one_hot(query), "answer": one_hot(answer), "labels": answer[:, 1:]})
+        batches.append({"query": query, "answer": _tokens(rng, vocab, seq_len + 1)})
     key = jax.random.PRNGKey(0)
-    variables = model.init({"params": key, "lstm": key}, batches[0]["query"][:1], batches[0]["answer"][:1])
+    one_hot = lambda tokens: jax.nn.one_hot(tokens, vocab, dtype=jnp.float32)
+    variables = model.init({"params": key, "lstm": key}, one_hot(batches[0]["query"][:1]),
+                           one_hot(batches[0]["answer"][:1]))
 
     def loss(params, batch, rng):
+        # Token ids in the batch, one-hot here (fp32, as the decoder's own predictions are: the engine
+        # casts float batches to the compute dtype, and the decoder's carry must keep one dtype).
         # The decoder samples a prediction with the 'lstm' stream; with teacher forcing the logits do not
         # depend on it, so a fixed key keeps the loss deterministic.
-        logits, _ = model.apply({"params": params}, batch["query"], batch["answer"],
+        logits, _ = model.apply({"params": params}, one_hot(batch["query"]), one_hot(batch["answer"]),
                                 rngs={"lstm": jax.random.PRNGKey(1)})
-        return _cross_entropy(logits, batch["labels"])
+        return _cross_entropy(logits, batch["answer"][:, 1:])
 
     return Case("seq2seq", variables, loss, batches, recurrent=True)
 

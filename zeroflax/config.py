@@ -290,6 +290,9 @@ class Config:
         in host memory, the update on the host.
     offload_param: ZeRO-3 parameter offload (see OffloadParamConfig).
     logical_rules: logical axis name -> mesh axis name (or None), for leaves that carry logical names.
+    data_axis_aliases: axis names a model written for `pmap` reduces over (`lax.pmean(x, 'batch')`, Flax's
+        `BatchNorm(axis_name='batch')`, any Flax module's `axis_name` field): under the engine they mean
+        the data axis, so sync BatchNorm averages its statistics over the data-parallel devices, unchanged.
     seed: seeds the per-step rng handed to the loss function.
     nonfinite: with 'fp32' or 'bf16' (fp16 has its loss scaler), what a step with a non-finite gradient
         (NaN, inf: bad data, a diverged loss) does; the engine reports it as metrics['nonfinite'].
@@ -320,6 +323,7 @@ class Config:
     offload_optimizer: OffloadOptimizerConfig = dataclasses.field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = dataclasses.field(default_factory=OffloadParamConfig)
     logical_rules: tuple = DEFAULT_LOGICAL_RULES
+    data_axis_aliases: tuple = ("batch",)
     seed: int = 0
     nonfinite: str = "error"
 
@@ -412,6 +416,13 @@ class Config:
             _require(rule[1] != "data", "Config.logical_rules",
                      f"rule {rule!r} maps to 'data'; the data axis is reserved for ZeRO partitioning")
         object.__setattr__(self, "logical_rules", rules)
+        aliases = (self.data_axis_aliases,) if isinstance(self.data_axis_aliases, str) else self.data_axis_aliases
+        _require(isinstance(aliases, (tuple, list)) and all(isinstance(a, str) and a for a in aliases),
+                 "Config.data_axis_aliases", f"must be a tuple of axis names, got {self.data_axis_aliases!r}")
+        clash = [a for a in aliases if a in self.mesh.axes]
+        _require(not clash, "Config.data_axis_aliases", f"{clash[0] if clash else ''!r} is a mesh axis already",
+                 "list only names the model uses that the mesh does not define")
+        object.__setattr__(self, "data_axis_aliases", tuple(aliases))
 
     @property
     def host_memory_kind(self) -> str:

@@ -28,7 +28,9 @@ several programs (`Engine.phases`), picked on the host from the step number.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 import warnings
 from typing import Any, Callable
 
@@ -236,10 +238,12 @@ class Engine:
 
     def _context(self, usage: GatherUsage) -> LayerContext:
         config = self.config
+        owners = frozenset(self._probe_usage.scan_owners if self._probe_usage is not None else ())
         return LayerContext(remat=config.remat, bucket=config.prefetch_bucket_size,
                             max_live=config.max_live_parameters, usage=usage,
                             sequence_parallel=config.sequence_parallel, tensor_size=self.mesh.shape.get(TENSOR_AXIS, 1),
-                            logical_rules=config.logical_rules)
+                            logical_rules=config.logical_rules, data_axis_aliases=config.data_axis_aliases,
+                            data_axis=DATA_AXIS, scan_owners=owners)
 
     def _call_loss(self, params, batch, rng, model_state):
         """(loss, aux, new model state) of the user's loss on one micro-batch."""
@@ -297,27 +301,41 @@ class Engine:
         gathers itself (Flax modules, groups, scans, zeroflax.gather) and whether Config.remat applies
         anywhere. Leaves it uses as plain arrays are then gathered on entry, as are all of them if the
         loss cannot run on handles at all."""
-        usage = GatherUsage(probe=True)
         first = jax.tree.map(lambda x: x[: x.shape[0] // self.config.grad_accum_steps], batch)  # one micro-batch
-
-        def local(params, batch, model_state):
-            params, sources = self._gradient_sinks(params)
-            loss, _, _ = self._traced_loss(self._context(usage), _all_leaves(params), params, batch,
-                                           jax.random.PRNGKey(0), model_state, sources)
-            return loss
-
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(self.plan.data_specs("params"), P(DATA_AXIS), P()),
-                           out_specs=P(), axis_names=self.manual_axes, check_vma=False)
-        try:
+
+        def trace(usage, owners=frozenset()):  # a new function each time: eval_shape caches traces
+            def local(params, batch, model_state):
+                params, sources = self._gradient_sinks(params)
+                ctx = dataclasses.replace(self._context(usage), scan_owners=owners)
+                loss, _, _ = self._traced_loss(ctx, _all_leaves(params), params, batch, jax.random.PRNGKey(0),
+                                               model_state, sources)
+                return loss
+
+            fn = jax.shard_map(local, mesh=self.mesh, in_specs=(self.plan.data_specs("params"), P(DATA_AXIS), P()),
+                               out_specs=P(), axis_names=self.manual_axes, check_vma=False)
             jax.eval_shape(fn, abstract(params), abstract(first), abstract(model_state))
+            return usage
+
+        usage = GatherUsage(probe=True)
+        try:
+            trace(usage)
+            if usage.scan_owners:  # again, with those modules as groups: the groups the step will have
+                owners = frozenset(usage.scan_owners)
+                usage = trace(GatherUsage(probe=True, scan_owners=set(owners)), owners)
         except Exception as error:  # the real trace, with entry gathers, reports genuine errors
+            unbound = re.search(r"unbound axis name: (\S+?)\.?(\s|$)", str(error))
+            if isinstance(error, NameError) and unbound:  # not a handle's fault: it fails however gathered
+                raise ConfigError("Config.data_axis_aliases", f"the model reduces over the axis name "
+                                  f"{unbound.group(1)!r}, which is no mesh axis ({', '.join(self.mesh.axis_names)})",
+                                  "add it to Config.data_axis_aliases if it means the data-parallel devices "
+                                  "(code written for pmap, e.g. sync BatchNorm)") from error
             usage.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if self.config.zero_stage == 3:
+                hint = (" A stack of layers run by nn.scan needs the logical name 'layers' on its stacked dimension "
+                        "of every leaf above Config.persistence_threshold." if "stack of layers" in str(error) else "")
                 warnings.warn(f"zeroflax: the loss cannot run on ZeRO-3 parameter handles ({usage.failed}); every "
-                              "parameter is gathered on entry instead of where it is used. A stack of layers "
-                              "run by nn.scan needs the logical name 'layers' on its stacked dimension of every "
-                              "leaf above Config.persistence_threshold", stacklevel=4)
+                              f"parameter is gathered on entry instead of where it is used.{hint}", stacklevel=4)
         if self.config.remat != "none" and usage.remat_regions == 0 and not usage.failed:
             warnings.warn(
                 f"Config.remat={self.config.remat!r} applies to nothing in this loss: it has no Flax module, "

@@ -44,8 +44,39 @@ from zeroflax.sharding.layers import (current_context, gather, global_shape_view
 from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END
 
 _group_depth = [0]
-# One list per nesting level of module calls: [input anchor, parameter elements] of the last group run.
-_levels: list[list] = [[None, 0]]
+
+
+class _Level:
+    """What the groups run so far at one nesting level of module calls tell the next one: anchors (zeros
+    computed from a value) of the last group's input and output and of the output of the one before it,
+    and the last group's parameter elements."""
+
+    def __init__(self):
+        self.last_input = self.last_output = self.before_output = None
+        self.last_size = 0
+
+    def gather_anchor(self, own, size: int, max_live: int):
+        """The value the next group's gather waits for, whatever order XLA schedules branches in:
+        - prefetch (both groups fit in `max_live`): the output of the group before the last one, so
+          only the last group (still computing) and this one hold gathered weights; before there is
+          one, the last group's input (its gather's own anchor);
+        - otherwise: the last group's output and this group's own input, so one group at a time."""
+        usable = lambda a: a is not None and own is not None and _same_trace(a, own)
+        if max_live and size + self.last_size <= max_live:
+            for candidate in (self.before_output, self.last_input):
+                if usable(candidate):
+                    return candidate
+            return own
+        if usable(self.last_output):
+            return self.last_output + own
+        return own
+
+    def ran(self, own, out_anchor, size: int) -> None:
+        self.before_output, self.last_output = self.last_output, out_anchor
+        self.last_input, self.last_size = own, size
+
+
+_levels: list[_Level] = [_Level()]
 
 
 def in_group() -> bool:
@@ -63,12 +94,18 @@ def _inside_group():
 
 @contextlib.contextmanager
 def call_level():
-    """A new level for prefetch anchors: calls below it may run under another trace (a scan body)."""
-    _levels.append([None, 0])
+    """A nesting level of module calls. The groups below it continue the chain of the groups before it
+    (so branches of a model, its encoder and its decoder, are ordered too) and the groups after it
+    continue theirs; an anchor from another trace (a scan body) is never used (`_same_trace`)."""
+    outer = _levels[-1]
+    inner = _Level()
+    inner.__dict__.update(outer.__dict__)
+    _levels.append(inner)
     try:
         yield
     finally:
         _levels.pop()
+        outer.__dict__.update(inner.__dict__)
 
 
 def _is_array(x) -> bool:
@@ -144,10 +181,7 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
 
     level = _levels[-1]
     own = _anchor(dynamic)
-    prefetch = (level[0] is not None and own is not None and _same_trace(level[0], own)
-                and ctx.max_live and size + level[1] <= ctx.max_live)
-    anchor = level[0] if prefetch else own
-    level[0], level[1] = own, size
+    anchor = level.gather_anchor(own, size, ctx.max_live)
     if anchor is None:
         anchor = jnp.zeros((), jnp.float32)
 
@@ -182,7 +216,9 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
 
     call_group.defvjp(call_group_fwd, call_group_bwd)
     # Named, the group's inputs (its residuals) and outputs are what the loss's own checkpoint keeps.
-    return mark_boundary(call_group(variables, mark_boundary(dynamic), anchor))
+    out = mark_boundary(call_group(variables, mark_boundary(dynamic), anchor))
+    level.ran(own, _anchor(out), size)
+    return out
 
 
 def group(fn: Callable, name: str | None = None) -> Callable:
@@ -211,6 +247,40 @@ def _has_child_params(params) -> bool:
     return any(isinstance(v, dict) or hasattr(v, "items") for v in params.values())
 
 
+def _foreign_modules(module) -> dict | None:
+    """The modules a module holds as attributes that are not its descendants, by attribute name: wmt's
+    encoder and decoder hold the Transformer's shared embedding, `nn.RNN` holds a cell created by (and
+    owned by) its caller. Re-applied on its own as a group, the module binds them as its children
+    under those names, so the group gathers their parameters with its own. None when that cannot
+    work: one of them is an ancestor, or keeps mutable state (the group would not write it back)."""
+    import flax.linen as nn
+
+    own = tuple(module.path)
+    foreign = {}
+    for name, value in vars(module).items():
+        if not isinstance(value, nn.Module) or value is module or name.startswith("_"):
+            continue
+        try:
+            path = tuple(value.path)
+        except Exception:  # not bound (yet): it will be bound as this module's child
+            continue
+        if path[:len(own)] == own:
+            continue
+        if own[:len(path)] == path or set(value.variables) - {"params"}:
+            return None
+        foreign[name] = value
+    return foreign
+
+
+def _variables_with(module, foreign: dict) -> dict:
+    """The module's variables, with each foreign module's under its attribute name."""
+    variables = dict(module.variables)
+    for name, other in foreign.items():
+        for collection, tree in other.variables.items():
+            variables[collection] = {**variables.get(collection, {}), name: tree}
+    return variables
+
+
 def _linen_interceptor(next_fun, args, kwargs, context):
     """Every Linen method call under the engine: a group, or a pass-through that gathers its own
     direct parameters (those of the model itself, or of a module too big to be one group)."""
@@ -224,19 +294,62 @@ def _linen_interceptor(next_fun, args, kwargs, context):
     if (ctx is None or in_group() or context.method_name == "setup" or module.scope is None
             or module.is_initializing()):
         return next_fun(*args, **kwargs)
-    variables = module.variables
+    _note_lifted_call(module, ctx)
+    foreign = _foreign_modules(module)
+    variables = _variables_with(module, foreign or {})
     params = variables.get("params", {})
     if not params:
-        return next_fun(*args, **kwargs)
+        return _pass_through(module, next_fun, args, kwargs)
     size, stacked = param_elements(params)
     root = module.scope.parent is None
-    if not root and not stacked and (size <= ctx.bucket or not _has_child_params(params)):
-        return _linen_group(module, context.method_name, args, kwargs)
-    direct = [k for k, v in params.items() if is_handle(v) and not v.stacked]
+    whole = size <= ctx.bucket or not _has_child_params(params) or _path(module) in ctx.scan_owners
+    if not root and not stacked and foreign is not None and whole:
+        return _linen_group(module, context.method_name, variables, args, kwargs)
+    direct = [k for k, v in module.variables.get("params", {}).items() if is_handle(v) and not v.stacked]
+    if not direct:
+        return _pass_through(module, next_fun, args, kwargs)
     with call_level():
-        if not direct:
-            return next_fun(*args, **kwargs)
         return _with_direct_gathered(module, context.method_name, direct, args, kwargs)
+
+
+# The module calls passed through (not groups) that are running now, innermost last: (path, the root of
+# its scope tree, whether it could be one group: not the model itself, not a stack of layers).
+_passing: list = []
+
+
+def _scope_root(scope):
+    while scope.parent is not None:
+        scope = scope.parent
+    return scope
+
+
+@contextlib.contextmanager
+def _passing_through(module):
+    params = module.variables.get("params", {})
+    eligible = module.scope.parent is not None and not param_elements(params)[1]
+    _passing.append((_path(module), _scope_root(module.scope), eligible))
+    try:
+        with call_level():
+            yield
+    finally:
+        _passing.pop()
+
+
+def _pass_through(module, next_fun, args, kwargs):
+    with _passing_through(module):
+        return next_fun(*args, **kwargs)
+
+
+def _note_lifted_call(module, ctx) -> None:
+    """In the probe: a module bound to another scope tree than the module passed through last runs
+    inside a lifted transform that module called (nn.scan, nn.RNN, nn.vmap, nn.remat). When that caller's
+    parameters are not a stack of layers, the transform shares them at every step (a recurrent cell):
+    the caller is noted, to be one group in the step, so they are gathered once, outside the loop."""
+    if ctx.usage is None or not ctx.usage.probe or not _passing:
+        return
+    path, root, eligible = _passing[-1]
+    if eligible and _scope_root(module.scope) is not root:
+        ctx.usage.scan_owners.add(path)
 
 
 def _with_direct_gathered(module, method: str, names, args, kwargs):
@@ -256,8 +369,7 @@ def _with_direct_gathered(module, method: str, names, args, kwargs):
     return mapped(module, *args, **kwargs)
 
 
-def _linen_group(module, method: str, args, kwargs):
-    variables = dict(module.variables)
+def _linen_group(module, method: str, variables: dict, args, kwargs):
     mutable = [c for c in variables if c != "params" and module.is_mutable_collection(c)]
     rngs = {name: module.make_rng(name) for name in module.scope.rngs}
     unbound = module.clone(parent=None)
@@ -275,15 +387,43 @@ def _linen_group(module, method: str, args, kwargs):
     return out
 
 
+def _is_alias(name, aliases) -> bool:
+    names = name if isinstance(name, (tuple, list)) else (name,)
+    return any(isinstance(n, str) and n in aliases for n in names)
+
+
+def _rename_axes(name, ctx):
+    if isinstance(name, (tuple, list)):
+        return type(name)(ctx.data_axis if n in ctx.data_axis_aliases else n for n in name)
+    return ctx.data_axis
+
+
+def _with_axis_name(module, axis_name, interceptor, next_fun, args, kwargs, context):
+    """The call with the module's `axis_name` field (a pmap-era name) set to the mesh's data axis. The
+    field is read by the module's own code (BatchNorm's statistics): set on the instance for the call
+    only, and back after, so the model the user holds is unchanged."""
+    original = module.axis_name
+    object.__setattr__(module, "axis_name", axis_name)
+    try:
+        return interceptor(next_fun, args, kwargs, context)
+    finally:
+        object.__setattr__(module, "axis_name", original)
+
+
 @contextlib.contextmanager
 def linen_groups():
     """Linen module calls inside this context run as gather groups (when the engine's context is set)."""
     import flax.linen as nn
 
     def interceptor(next_fun, args, kwargs, context):
+        ctx = current_context()
+        alias = getattr(context.module, "axis_name", None)
+        if ctx is not None and ctx.data_axis_aliases and _is_alias(alias, ctx.data_axis_aliases):
+            return _with_axis_name(context.module, _rename_axes(alias, ctx), interceptor, next_fun, args, kwargs,
+                                   context)
         if getattr(context.module, "_zeroflax_passed", False):
             object.__setattr__(context.module, "_zeroflax_passed", False)
-            with call_level():
+            with _passing_through(context.module):  # re-bound by map_variables: its own scope tree
                 return next_fun(*args, **kwargs)
         return _linen_interceptor(next_fun, args, kwargs, context)
 

@@ -50,6 +50,7 @@ class GatherUsage:
     layer_carry_bytes: bytes of the activation one scanned layer takes and returns, for one micro-batch
         on one device (the unit of the tensor axis's theory in the communication report); 0 if none.
     sequence_splits: how many activations the loss marks with `sequence_split` (sequence parallelism).
+    scan_owners: Flax modules found running a lifted transform over shared (unstacked) parameters.
     """
 
     probe: bool = False
@@ -60,6 +61,7 @@ class GatherUsage:
     failed: str | None = None
     layer_carry_bytes: int = 0
     sequence_splits: int = 0
+    scan_owners: set = dataclasses.field(default_factory=set)  # Flax module paths: see LayerContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,12 @@ class LayerContext:
     sequence_parallel: bool = False  # Config.sequence_parallel: see sharding.tensor
     tensor_size: int = 1  # the tensor axis's size
     logical_rules: tuple = ()  # Config.logical_rules: logical axis name -> mesh axis
+    data_axis_aliases: tuple = ()  # Config.data_axis_aliases: a model's pmap-era axis names for the data axis
+    data_axis: str = "data"
+    # Paths of Flax modules that run a lifted transform (nn.scan, nn.RNN) over modules sharing their
+    # parameters at every step (a recurrent cell): found by the probe, each is one gather group whatever
+    # its size, so the cell is gathered once per pass rather than once per step.
+    scan_owners: frozenset = frozenset()
 
 
 _contexts: list[LayerContext] = []
