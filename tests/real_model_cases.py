@@ -6,8 +6,8 @@ and a few fixed-seed batches. Dropout is off (deterministic), so each case can b
 single-device optax loop. `case(name, seq_len=...)` changes the sequence length of the sequence models
 (the recurrent-cell checks compare 12 and 48 steps).
 
-Library versions: the files need only flax (linen), jax and numpy; they ran with flax 0.12.8 on jax 0.10.2
-and jax 0.11.2 (the versions of .ci/run).
+Library versions: Flax's example files need only flax (linen), jax and numpy; hf_gpt2 needs transformers
+4.46.3 (the test extra). Measured with flax 0.12.8 on jax 0.10.2.
 """
 from __future__ import annotations
 
@@ -186,7 +186,32 @@ def seq2seq(seq_len: int = 12) -> Case:
     return Case("seq2seq", variables, loss, batches, recurrent=True)
 
 
-CASES = {"lm1b": lm1b, "wmt": wmt, "nlp_seq": nlp_seq, "imagenet": imagenet, "sst2": sst2, "seq2seq": seq2seq}
+def hf_gpt2(seq_len: int = 12) -> Case:
+    """transformers' FlaxGPT2LMHeadModel (the installed package's own file, transformers==4.46.3), random
+    init from a config: its LM head is the token embedding, reached as `wte.embedding.T` in the model's
+    code (a raw use of a parameter outside any module)."""
+    from transformers import GPT2Config, FlaxGPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    model = FlaxGPT2LMHeadModel(config, seed=0, dtype=jnp.float32)
+    module = model.module
+    rng = np.random.default_rng(6)
+    batches = [{"tokens": _tokens(rng, 64, seq_len)} for _ in range(STEPS)]
+
+    def loss(params, batch, rng):
+        tokens = batch["tokens"]
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        logits = module.apply({"params": params}, tokens, jnp.ones_like(tokens), positions, deterministic=True)[0]
+        return _cross_entropy(logits, tokens)
+
+    return Case("hf_gpt2", {"params": model.params}, loss, batches)
+
+
+CASES = {"lm1b": lm1b, "wmt": wmt, "nlp_seq": nlp_seq, "imagenet": imagenet, "sst2": sst2, "seq2seq": seq2seq,
+         "hf_gpt2": hf_gpt2}
+# Leaves a case's model uses as a plain array outside any module, which the step gathers on entry.
+RAW_USES = {"hf_gpt2": ["['transformer']['wte']['embedding']"]}
 
 
 def case(name: str, **kwargs) -> Case:

@@ -1,7 +1,9 @@
-"""ZeRO on real models used unchanged (Flax's own examples: tests/real_models/flax_examples/SOURCES).
+"""ZeRO on real models used unchanged: Flax's own examples (tests/real_models/flax_examples/SOURCES) and
+transformers' FlaxGPT2LMHeadModel (the pinned package's own file).
 
 Per model: fp32 equivalence with a plain single-device optax loop at stages 0-3, and at stage 3 in
-bf16 the per-module promises: every partitioned leaf gathered where it is used (none on entry), at most
+bf16 the per-module promises: every partitioned leaf gathered where it is used (on entry only a leaf the
+model uses as a plain array outside its modules, named by the memory report), at most
 two groups' gathered weights alive at the peak, ZeRO-3's communication volume with bf16 all-gathers and
 fp32 reduce-scatters; a recurrent cell's communication the same at 12 and 48 steps. The cases and the
 library versions they need: tests/real_model_cases.py.
@@ -15,7 +17,7 @@ import optax
 import pytest
 
 import zeroflax
-from real_model_cases import CASES, case
+from real_model_cases import CASES, RAW_USES, case
 
 TOL = 1e-5  # as tests/test_equivalence.py (adamw lr 1e-3, eps 1e-6)
 MICRO = 2  # x 8 devices = real_model_cases.GLOBAL_BATCH: one micro-batch per step
@@ -85,9 +87,11 @@ def test_stage3_gathers_per_module(name):
     engine, state, batch = stage3(name)
     comm = engine.comm_report(state, batch)  # traces the step, and with it the probe
     usage = engine.probe_usage
-    assert usage.failed is None and not usage.raw, usage
-    assert engine.gathered_on_entry() == []
+    assert usage.failed is None, usage.failed
+    # Only a leaf used as a plain array outside any module is gathered on entry, and the report names it.
+    assert engine.gathered_on_entry() == RAW_USES.get(name, [])
     memory = engine.memory_report(state, batch)
+    assert all(path in str(memory) for path in RAW_USES.get(name, []))
     largest = sorted(memory.groups.values(), reverse=True)[:2]
     bound = 2 * sum(largest)  # bf16: 2 bytes per gathered element
     print(f"{name}: {len(usage.groups)} groups; communication {comm.ratio:.3f}x theory; gathered weights at the "

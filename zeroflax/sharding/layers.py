@@ -302,6 +302,38 @@ class ShardedLeaf:
             "its module as a gather group (Flax modules are, automatically) or iterate over a stack of layers "
             "with zeroflax.scan_layers")
 
+    # Model code also uses a parameter as an array in ways that do not go through __jax_array__: a tied
+    # head's `embedding.T` (transformers' FlaxGPT2LMHeadModel), indexing, `x @ w`, `w.astype(...)`. Each is
+    # a raw use: the probe notes it (the step then gathers that leaf on entry, and the memory report
+    # names it), so one such use never makes the whole model fall back to gathering everything.
+    def __getitem__(self, index):
+        return self.__jax_array__()[index]
+
+    @property
+    def T(self):
+        return self.__jax_array__().T
+
+    @property
+    def mT(self):
+        return self.__jax_array__().mT
+
+    @property
+    def ndim(self) -> int:
+        return len(self.global_shape)
+
+
+def _raw_method(name):
+    def method(self, *args, **kwargs):
+        return getattr(self.__jax_array__(), name)(*args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+for _name in ("reshape", "astype", "transpose", "swapaxes", "squeeze", "ravel", "flatten", "sum", "mean", "max",
+              "min", "take", "dot", "conj", "clip", "__matmul__", "__rmatmul__", "__add__", "__radd__", "__sub__",
+              "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__pow__", "__neg__", "__pos__"):
+    setattr(ShardedLeaf, _name, _raw_method(_name))
+
 
 _shape_views = [0]
 
