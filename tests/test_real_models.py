@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import zeroflax
-from real_model_cases import CASES, RAW_USES, case
+from real_model_cases import CASES, ON_ENTRY, case
 
 TOL = 1e-5  # as tests/test_equivalence.py (adamw lr 1e-3, eps 1e-6)
 MICRO = 2  # x 8 devices = real_model_cases.GLOBAL_BATCH: one micro-batch per step
@@ -76,9 +76,9 @@ def test_matches_optax(name, stage):
 
 
 @functools.cache
-def stage3(name, **overrides):
+def stage3(name, max_reuse_distance=1_000_000_000, **overrides):
     c = case(name, **overrides)
-    engine, state = _initialize(c, zero_stage=3, precision="bf16")
+    engine, state = _initialize(c, zero_stage=3, precision="bf16", max_reuse_distance=max_reuse_distance)
     return engine, state, c.batches[0]
 
 
@@ -88,10 +88,14 @@ def test_stage3_gathers_per_module(name):
     comm = engine.comm_report(state, batch)  # traces the step, and with it the probe
     usage = engine.probe_usage
     assert usage.failed is None, usage.failed
-    # Only a leaf used as a plain array outside any module is gathered on entry, and the report names it.
-    assert engine.gathered_on_entry() == RAW_USES.get(name, [])
+    # Only a leaf used as a plain array outside any module, or shared by groups, is gathered on entry,
+    # and the memory report names it with the reason.
+    expected = ON_ENTRY.get(name, {})
+    reasons = engine.gathered_on_entry_reasons()
+    assert sorted(reasons) == sorted(expected), reasons
+    assert all(word in reasons[path] for path, word in expected.items()), reasons
     memory = engine.memory_report(state, batch)
-    assert all(path in str(memory) for path in RAW_USES.get(name, []))
+    assert all(path in str(memory) and reasons[path] in str(memory) for path in expected)
     largest = sorted(memory.groups.values(), reverse=True)[:2]
     bound = 2 * sum(largest)  # bf16: 2 bytes per gathered element
     print(f"{name}: {len(usage.groups)} groups; communication {comm.ratio:.3f}x theory; gathered weights at the "
@@ -112,3 +116,21 @@ def test_recurrent_cell_communication_independent_of_length(name):
         totals[length] = engine.comm_report(state, batch).total_bytes
     print(f"{name}: collective bytes at 12 steps {totals[12]:.0f}, at 48 steps {totals[48]:.0f}")
     assert totals[12] == totals[48], totals
+
+
+def test_shared_embedding_gathered_once_per_pass():
+    """wmt's embedding serves the encoder, the decoder and the logits (3 group calls). Kept within
+    Config.max_reuse_distance it is gathered once per pass and its gradient reduce-scattered once; with
+    max_reuse_distance 0 every use gathers it (forward and backward) and reduce-scatters its gradient."""
+    kept, kept_state, batch = stage3("wmt")
+    every, every_state, _ = stage3("wmt", max_reuse_distance=0)
+    once, each = kept.comm_report(kept_state, batch).by_kind, every.comm_report(every_state, batch).by_kind
+    assert every.gathered_on_entry() == []  # (once traced)
+    n = 8
+    gathered = 48 * 32 * 2 * (n - 1) / n  # bf16 bytes one gather of the (48, 32) embedding moves per device
+    scattered = 48 * 32 * 4 * (n - 1) / n  # its fp32 gradient's reduce-scatter
+    uses = 3
+    print(f"all-gather bytes: kept {once['all-gather']['bytes']:.0f}, every use {each['all-gather']['bytes']:.0f}; "
+          f"reduce-scatter: {once['reduce-scatter']['bytes']:.0f} vs {each['reduce-scatter']['bytes']:.0f}")
+    assert each["all-gather"]["bytes"] - once["all-gather"]["bytes"] == pytest.approx(2 * (uses - 1) * gathered)
+    assert each["reduce-scatter"]["bytes"] - once["reduce-scatter"]["bytes"] == pytest.approx((uses - 1) * scattered)

@@ -274,6 +274,10 @@ class Config:
     max_live_parameters: the most parameter elements gathered at once (DeepSpeed's
         stage3_max_live_parameters): the next group's gather is issued while the current group computes
         (prefetch) only if both fit in it; 0 never prefetches.
+    max_reuse_distance: a ZeRO-3 parameter that several groups use (a shared embedding, a module called
+        from several places) is gathered once on entry and kept, instead of at every use, when fewer than
+        this many parameter elements are gathered by other groups between any two of its uses (DeepSpeed's
+        stage3_max_reuse_distance); 0 never keeps one.
     quantized_weights: ZeRO++ qwZ: ZeRO-3 gathers move int8 blocks with one scale each, dequantized on
         arrival to the compute dtype; master weights and gradients stay fp32.
     quantization_block: elements per int8 block (and per scale) for quantized_weights.
@@ -314,6 +318,7 @@ class Config:
     remat: str = "full"
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
     quantized_weights: bool = False
     quantization_block: int = 64
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
@@ -358,6 +363,8 @@ class Config:
                  f"must be an integer >= 0 (parameter elements per gather group), got {self.prefetch_bucket_size!r}")
         _require(_is_int(self.max_live_parameters) and self.max_live_parameters >= 0, "Config.max_live_parameters",
                  f"must be an integer >= 0 (0: never prefetch), got {self.max_live_parameters!r}")
+        _require(_is_int(self.max_reuse_distance) and self.max_reuse_distance >= 0, "Config.max_reuse_distance",
+                 f"must be an integer >= 0 (0: gather a shared parameter at every use), got {self.max_reuse_distance!r}")
         _require(isinstance(self.quantized_weights, bool), "Config.quantized_weights",
                  f"must be True or False, got {self.quantized_weights!r}")
         _require(not (self.quantized_weights and self.zero_stage != 3), "Config.quantized_weights",

@@ -204,7 +204,8 @@ def _zero(ds: dict, settings: _Settings, hidden_size: int | None, notes: list) -
     h = hidden_size
     sizes = [("param_persistence_threshold", "Config.persistence_threshold", 100_000, 10 * h if h else None),
              ("prefetch_bucket_size", "Config.prefetch_bucket_size", 50_000_000, int(0.9 * h * h) if h else None),
-             ("max_live_parameters", "Config.max_live_parameters", 1_000_000_000, None)]
+             ("max_live_parameters", "Config.max_live_parameters", 1_000_000_000, None),
+             ("max_reuse_distance", "Config.max_reuse_distance", 1_000_000_000, None)]
     for field, name, default, auto in sizes:
         given = [k for k in (f"stage3_{field}", field) if k in zero]
         if len(given) == 2:
@@ -600,6 +601,7 @@ CONFIG_KEYS = {  # zeroflax names (in Config errors) -> JSON paths, to re-key Co
     "Config.persistence_threshold": "zero_optimization.stage3_param_persistence_threshold",
     "Config.prefetch_bucket_size": "zero_optimization.stage3_prefetch_bucket_size",
     "Config.max_live_parameters": "zero_optimization.stage3_max_live_parameters",
+    "Config.max_reuse_distance": "zero_optimization.stage3_max_reuse_distance",
     "Config.quantized_weights": "zero_optimization.zero_quantized_weights", "Config.remat": "activation_checkpointing",
     "OffloadOptimizerConfig.device": "zero_optimization.offload_optimizer.device",
     "OffloadOptimizerConfig.pin_memory": "zero_optimization.offload_optimizer.pin_memory",

@@ -52,7 +52,7 @@ from zeroflax.sharding.grad_sync import ZeroGradSync
 from zeroflax.sharding.groups import loss_scope
 from zeroflax.sharding.scopes import UPDATE_SCOPE
 from zeroflax.sharding.manual import psum_on_slices
-from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, loss_remat_policy
+from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, loss_remat_policy, reused_leaves
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order, take_layers
 from zeroflax.pipeline.schedule import build_schedule
@@ -280,7 +280,7 @@ class Engine:
         usage = self._probe_usage
         if usage is None or usage.failed:
             return set()
-        return usage.gathered - usage.raw
+        return usage.gathered - usage.raw - set(reused_leaves(usage.group_calls, self.config.max_reuse_distance))
 
     @property
     def probe_usage(self) -> GatherUsage | None:
@@ -289,12 +289,29 @@ class Engine:
         return self._probe_usage
 
     def gathered_on_entry(self) -> list[str]:
-        """Paths of the ZeRO-3 partitioned leaves that are gathered on entry (the loss uses them
-        outside any group, scan or zeroflax.gather), once the step has been traced."""
-        point_of_use = self._point_of_use()
+        """Paths of the ZeRO-3 partitioned leaves that are gathered on entry, once the step has been
+        traced (`gathered_on_entry_reasons` says why for each)."""
+        return list(self.gathered_on_entry_reasons())
+
+    def gathered_on_entry_reasons(self) -> dict[str, str]:
+        """Path -> why of each ZeRO-3 partitioned leaf gathered on entry rather than where it is used."""
+        usage, point_of_use = self._probe_usage, self._point_of_use()
+        reused = reused_leaves(usage.group_calls, self.config.max_reuse_distance) if usage else {}
         paths = jax.tree_util.tree_flatten_with_path(self.plan.placements, is_leaf=_is_placement)[0]
-        return [jax.tree_util.keystr(path) for index, (path, placement) in enumerate(paths)
-                if placement.zero_dim is not None and not placement.stacked and index not in point_of_use]
+        reasons = {}
+        for index, (path, placement) in enumerate(paths):
+            if placement.zero_dim is None or placement.stacked or index in point_of_use:
+                continue
+            if usage is None or usage.failed:
+                why = f"the loss cannot run on handles ({usage.failed if usage else 'not traced yet'})"
+            elif index in usage.raw:
+                why = "used as a plain array outside any module, group or zeroflax.gather"
+            elif index in reused:
+                why = f"shared by {reused[index]} group calls within Config.max_reuse_distance: gathered once"
+            else:
+                why = "not used by any group, scan or zeroflax.gather"
+            reasons[jax.tree_util.keystr(path)] = why
+        return reasons
 
     def _probe(self, params, batch, model_state):
         """Trace the loss once (abstractly) with every ZeRO-3 leaf as a handle, to learn which leaves it

@@ -52,7 +52,7 @@ class MemoryReport:
     gathered_by_group: dict = dataclasses.field(default_factory=dict)  # those bytes by gather group
     gathered_wide_copies: int = 0  # wider (fp32) copies of them alive then (XLA:CPU's bf16 matmuls)
     groups: dict = dataclasses.field(default_factory=dict)  # gather group -> parameter elements
-    gathered_on_entry: list = dataclasses.field(default_factory=list)  # leaves the loss uses unhandled
+    gathered_on_entry: dict = dataclasses.field(default_factory=dict)  # leaf path -> why it is gathered on entry
     # Offload: bytes per device in host memory (by the state's memory kinds) and the device's compute copy.
     compute_params: int = 0  # the compute-dtype copy of the parameters (device)
     pending_grads: int = 0  # the delayed update's gradients (host)
@@ -139,8 +139,12 @@ class MemoryReport:
                 lines.append(f"  gather groups: {len(self.groups)}, the two largest {largest[0]:,}"
                              + (f" and {largest[1]:,}" if len(largest) > 1 else "") + " parameters")
             if self.gathered_on_entry:
-                shown = ", ".join(self.gathered_on_entry[:6]) + (" ..." if len(self.gathered_on_entry) > 6 else "")
-                lines.append(f"  gathered on entry (used outside any group, scan or zeroflax.gather): {shown}")
+                by_reason: dict = {}
+                for path, why in self.gathered_on_entry.items():
+                    by_reason.setdefault(why, []).append(path)
+                for why, paths in by_reason.items():
+                    shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
+                    lines.append(f"  gathered on entry ({why}): {shown}")
         return "\n".join(lines)
 
 
@@ -222,7 +226,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
     if engine.config.zero_stage == 3:
         peak, by_group, wide = gathered_weights_at_peak(compiled.as_text(), np.dtype(engine.config.compute_dtype).itemsize)
         gathered = dict(gathered_peak=peak, gathered_by_group=by_group, gathered_wide_copies=wide,
-                        groups=dict(engine.probe_usage.groups), gathered_on_entry=engine.gathered_on_entry())
+                        groups=dict(engine.probe_usage.groups), gathered_on_entry=engine.gathered_on_entry_reasons())
     full_opt = sum(_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
     pipe, tensor = engine.mesh.shape.get("pipe", 1), engine.mesh.shape.get("tensor", 1)
     offload = {}

@@ -171,6 +171,8 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
             name = f"{base}#{count}"
         ctx.usage.groups[name] = size
         ctx.usage.remat_regions += policy is not None
+        handles = [x for x in jax.tree.leaves(variables, is_leaf=is_handle) if is_handle(x) and not x.stacked]
+        ctx.usage.group_calls.append((name, size, frozenset(x.index for x in handles)))
     if policy is None and not has_handles:
         with _inside_group():
             return fn(variables, *args, **kwargs)

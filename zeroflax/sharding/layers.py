@@ -51,6 +51,7 @@ class GatherUsage:
         on one device (the unit of the tensor axis's theory in the communication report); 0 if none.
     sequence_splits: how many activations the loss marks with `sequence_split` (sequence parallelism).
     scan_owners: Flax modules found running a lifted transform over shared (unstacked) parameters.
+    group_calls: every group call in the order traced, with the handles (leaf indices) it gathers.
     """
 
     probe: bool = False
@@ -62,6 +63,7 @@ class GatherUsage:
     layer_carry_bytes: int = 0
     sequence_splits: int = 0
     scan_owners: set = dataclasses.field(default_factory=set)  # Flax module paths: see LayerContext
+    group_calls: list = dataclasses.field(default_factory=list)  # (group name, elements, leaf indices) in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +371,24 @@ def global_shape_view():
         yield
     finally:
         _shape_views[0] -= 1
+
+
+def reused_leaves(group_calls, max_reuse_distance: int) -> dict:
+    """Leaves gathered by more than one group call that stay within reuse distance: leaf index -> how
+    many calls use it. A leaf qualifies when fewer than `max_reuse_distance` parameter elements are
+    gathered by the other calls between any two of its uses (DeepSpeed's stage3_max_reuse_distance)."""
+    uses: dict = {}
+    for position, (_, _, leaves) in enumerate(group_calls):
+        for index in leaves:
+            uses.setdefault(index, []).append(position)
+    kept = {}
+    for index, positions in uses.items():
+        if len(positions) < 2:
+            continue
+        gaps = [sum(size for _, size, _ in group_calls[a + 1:b]) for a, b in zip(positions, positions[1:])]
+        if max(gaps) < max_reuse_distance:
+            kept[index] = len(positions)
+    return kept
 
 
 def is_handle(x) -> bool:
