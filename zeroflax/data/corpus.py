@@ -100,11 +100,21 @@ def _module_docstrings() -> list[str]:
                         member = members[member_name]
                         if isinstance(member, (classmethod, staticmethod)):
                             member = member.__func__
+                        if _added_by_third_party(member):
+                            continue
                         if inspect.isroutine(member) or isinstance(member, property):
                             add(member)
                 elif inspect.isroutine(obj):
                     add(obj)
     return docs
+
+
+def _added_by_third_party(member) -> bool:
+    """Whether a class member was set by a package outside the standard library (transformers adds
+    `warning_once` to `logging.Logger` when imported): such members would make the corpus depend on what
+    the process imported before building it."""
+    origin = getattr(getattr(member, "fget", member), "__module__", None)
+    return isinstance(origin, str) and origin.split(".")[0] not in sys.stdlib_module_names
 
 
 def builtin_corpus() -> bytes:
