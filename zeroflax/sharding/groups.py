@@ -18,9 +18,11 @@ the backward pass, and recomputed activations likewise. So:
     group's backward pass begins: they cannot be merged with the forward pass or hoisted early;
   - backward: the cotangent handed to the previous group is tied to this group's parameter gradients,
     so this group's full-size gradient is reduce-scattered before the previous group starts;
-  - forward: the gather is tied to the group's own input (no prefetch), or to the previous group's
-    input when both fit in `Config.max_live_parameters` (prefetch: the next group's gather may run
-    while the previous group computes), so XLA cannot issue every gather at the start.
+  - forward: the gather is tied to the groups before it in program order (`_Level`): to the output of
+    the group before the last one when both fit in `Config.max_live_parameters` (prefetch: the next
+    group's gather may run while the previous group computes), else to the last group's output and its
+    own input; so XLA can neither issue every gather at the start nor run two branches' gathers (an
+    encoder's and a decoder's) side by side.
 A tie costs one scalar multiply-add per array. A non-finite anchor (an overflowing fp16 step) makes the
 tied values non-finite, and such a step is skipped anyway. Whole (unsharded) parameters are tied too:
 left untied, XLA merges the weight-only values of the recomputation (on the CPU, the fp32 copies it makes
