@@ -64,6 +64,8 @@ INVALID = {
     "more logical names than dimensions": (
         lambda: zeroflax.initialize(loss_fn, PARAMS, optax.sgd(0.1), Config(),
                                     logical_axes={"w": ("embed", "mlp", "heads")}), "logical_axes"),
+    "data axis alias that is a mesh axis": (lambda: Config(data_axis_aliases=("tensor",)), "Config.data_axis_aliases"),
+    "data axis alias not a name": (lambda: Config(data_axis_aliases=(1,)), "Config.data_axis_aliases"),
     "1-bit Adam's clipping rule as string": (lambda: TrainConfig(onebit_local_clip="yes"),
                                              "TrainConfig.onebit_local_clip"),
 }

@@ -241,3 +241,65 @@ def test_quantized_gathers_move_int8():
         qstate, metrics = quantized.step(qstate, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0], losses
+
+
+class TiedNNX(nnx.Module):
+    """An NNX model whose head is its embedding reached through a second method (`Embed.attend`): only
+    `__call__` is a group, so the embedding is used raw there."""
+
+    def __init__(self, rngs):
+        self.embedder = nnx.Embed(64, D, rngs=rngs)
+        self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.embedder.attend(jnp.tanh(self.mlp(self.embedder(ids))))
+
+
+def test_raw_use_gathers_that_leaf_only():
+    """A parameter used as a plain array (indexed, transposed, `attend`) is gathered on entry, alone and
+    named with the reason, instead of the whole model; training still matches optax."""
+    params, apply = zeroflax.nnx_split(TiedNNX(nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    batches = [{"ids": rng.integers(0, 64, (16, 8)).astype(np.int32)} for _ in range(STEPS)]
+
+    def loss(p, batch, rng):
+        logits = apply(p, batch["ids"]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["ids"][..., None], -1))
+
+    config = zeroflax.Config(zero_stage=3, micro_batch_size=2, persistence_threshold=0)
+    engine, state = zeroflax.initialize(loss, params, optax.adamw(1e-3, eps=1e-6), config)
+    for batch in batches:
+        state, _ = engine.step(state, batch)
+    assert engine.probe_usage.failed is None
+    assert engine.gathered_on_entry_reasons() == {
+        "['embedder']['embedding']": "used as a plain array outside any module, group or zeroflax.gather"}
+    assert relative_error(jax.device_get(state.params), reference(zeroflax.unbox(params)[0], loss, batches)) <= TOL
+
+
+class SyncNorm(nn.Module):
+    """Statistics averaged over a pmap-era axis name (as Flax's BatchNorm(axis_name=...) does)."""
+
+    axis_name: str = "devices"
+
+    @nn.compact
+    def __call__(self, x):
+        mean = jax.lax.pmean(jnp.mean(x, axis=0), self.axis_name)
+        return nn.Dense(8)(x - mean)
+
+
+def test_unknown_axis_name_names_the_config_key():
+    """A model reducing over an axis name that is neither a mesh axis nor in Config.data_axis_aliases
+    fails with a ConfigError naming that key; listed there, it runs (averaged over the data axis)."""
+    model = SyncNorm()
+    batch = {"x": np.ones((16, D), np.float32), "y": np.zeros((16, 8), np.float32)}
+    params = nn.vmap(SyncNorm, variable_axes={"params": None}, split_rngs={"params": False}, axis_name="devices",
+                     axis_size=1)().init(jax.random.PRNGKey(0), batch["x"][None])["params"]
+    loss = regression(lambda p, x: model.apply({"params": p}, x))
+    engine, state = zeroflax.initialize(loss, params, optax.sgd(0.1), zeroflax.Config(micro_batch_size=2))
+    with pytest.raises(zeroflax.ConfigError) as error:
+        engine.step(state, batch)
+    assert error.value.key == "Config.data_axis_aliases" and "'devices'" in str(error.value)
+    config = zeroflax.Config(micro_batch_size=2, data_axis_aliases=("devices",))
+    engine, state = zeroflax.initialize(loss, params, optax.sgd(0.1), config)
+    state, metrics = engine.step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
