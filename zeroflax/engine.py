@@ -49,7 +49,7 @@ from zeroflax.optim.offload import OffloadedUpdate, on_device
 from zeroflax.optim import onebit
 from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.grad_sync import ZeroGradSync
-from zeroflax.sharding.groups import loss_scope
+from zeroflax.sharding.linen_groups import loss_scope
 from zeroflax.sharding.scopes import UPDATE_SCOPE
 from zeroflax.sharding.manual import psum_on_slices
 from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, loss_remat_policy, reused_leaves
