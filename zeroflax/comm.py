@@ -517,7 +517,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         layers = next(p.shape[0] for p in placements if p.stacked)
         schedule = engine.schedule
         count = megatron_all_reduces(layers, schedule.stages if schedule else 1, schedule.virtual if schedule else 1,
-                                     engine.config.grad_accum_steps, engine.config.remat,
+                                     engine.config.grad_accum_steps, engine.remat,
                                      any(not p.stacked for p in sliced), engine.config.sequence_parallel)
         theory_by_axis[TENSOR_AXIS] = count * 2 * usage.layer_carry_bytes * (tensor - 1) / tensor
     transfers = {}

@@ -56,6 +56,7 @@ from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, los
 from zeroflax.pipeline.executor import active_stage, run_schedule, stage_hook, tables
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order, take_layers
 from zeroflax.pipeline.schedule import build_schedule
+from zeroflax.remat_choice import settle_remat
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, build_mesh, pipe_size
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, make_plan
 
@@ -172,6 +173,10 @@ class Engine:
         self._last_step = None  # ... and that state's step array, to recognise it
         self._jit_eval = None
         self._compiled: dict = {}
+        # The remat policy the step runs: Config.remat, or 'none' where it was measured to save nothing
+        # (remat_choice.py; settled before the first step or report).
+        self.remat = config.remat
+        self._remat_settled = False
 
     def _onebit_sync(self, optimizer, plan: ShardingPlan, abstract_params):
         """The 1-bit sync when `optimizer` is `zeroflax.optim.onebit_adam`, after checking what it composes
@@ -239,7 +244,7 @@ class Engine:
     def _context(self, usage: GatherUsage) -> LayerContext:
         config = self.config
         owners = frozenset(self._probe_usage.scan_owners if self._probe_usage is not None else ())
-        return LayerContext(remat=config.remat, bucket=config.prefetch_bucket_size,
+        return LayerContext(remat=self.remat, bucket=config.prefetch_bucket_size,
                             max_live=config.max_live_parameters, usage=usage,
                             sequence_parallel=config.sequence_parallel, tensor_size=self.mesh.shape.get(TENSOR_AXIS, 1),
                             logical_rules=config.logical_rules, data_axis_aliases=config.data_axis_aliases,
@@ -714,9 +719,29 @@ class Engine:
         """The batch as global arrays split over `data` (any form `zeroflax/batch.py` lists)."""
         return self.batch_layout.place(batch)
 
+    def set_remat(self, remat: str) -> None:
+        """Run the step with this remat policy (remat_choice.py); drops what was compiled with another."""
+        self.remat = remat
+        self._jit_steps.clear()
+        self._compiled.clear()
+        self._jit_eval = None
+
+    def probe(self, state, batch) -> GatherUsage:
+        """What the loss does with its parameters (the probe's abstract trace), traced now if the step
+        has not been yet. Without offload: the loss then takes `state.params` as they are."""
+        if self._probe_usage is None:
+            self._probe_usage = self._probe(state.params, batch, state.model_state)
+        return self._probe_usage
+
+    def _settle_remat(self, state, batch) -> None:
+        if not self._remat_settled:
+            self._remat_settled = True
+            self.remat = settle_remat(self, state, batch)
+
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step over `batch` (train_batch_size examples). `state` is donated."""
         batch = self.put_batch(batch)
+        self._settle_remat(state, batch)
         phased = len(self.phases) > 1
         phase = self.phases[-1]
         if phased:  # the step number (and last exchange) on the host, read once per state not made here
@@ -758,6 +783,7 @@ class Engine:
         """The compiled step (of `phase`; default the steady state) for these (abstract or concrete)
         arguments; no step is run."""
         phase = phase or self.phases[-1]
+        self._settle_remat(state, batch)
         state_abs, batch_abs = self.abstract_args(state, batch)
         key = phase, jax.tree.structure((state_abs, batch_abs)), tuple(
             (s.shape, str(s.dtype), s.sharding) for s in jax.tree.leaves((state_abs, batch_abs)))

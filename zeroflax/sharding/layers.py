@@ -64,6 +64,7 @@ class GatherUsage:
     sequence_splits: int = 0
     scan_owners: set = dataclasses.field(default_factory=set)  # Flax module paths: see LayerContext
     group_calls: list = dataclasses.field(default_factory=list)  # (group name, elements, leaf indices) in order
+    lifted_in_groups: int = 0  # Flax modules met inside a group but bound to another scope tree (nn.scan, nn.RNN)
 
 
 @dataclasses.dataclass(frozen=True)

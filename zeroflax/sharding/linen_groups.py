@@ -67,6 +67,8 @@ def _linen_interceptor(next_fun, args, kwargs, context):
         # check there must see the declared shapes, not this device's shards.
         with global_shape_view():
             return next_fun(*args, **kwargs)
+    if ctx is not None and in_group() and module.scope is not None:
+        _note_lifted_in_group(module, ctx)
     if (ctx is None or in_group() or context.method_name == "setup" or module.scope is None
             or module.is_initializing()):
         return next_fun(*args, **kwargs)
@@ -128,6 +130,22 @@ def _note_lifted_call(module, ctx) -> None:
         ctx.usage.scan_owners.add(path)
 
 
+# The scope tree of each Linen group being traced, innermost last (None until its module's first call).
+_group_roots: list = []
+
+
+def _note_lifted_in_group(module, ctx) -> None:
+    """In the probe: a module inside a Linen group bound to another scope tree than the group's module
+    runs in a lifted transform (nn.scan, nn.RNN): a recurrent region, for `remat_choice`."""
+    if ctx.usage is None or not ctx.usage.probe or not _group_roots:
+        return
+    root = _scope_root(module.scope)
+    if _group_roots[-1] is None:
+        _group_roots[-1] = root
+    elif root is not _group_roots[-1]:
+        ctx.usage.lifted_in_groups += 1
+
+
 def _with_direct_gathered(module, method: str, names, args, kwargs):
     import flax.linen as nn
 
@@ -151,7 +169,11 @@ def _linen_group(module, method: str, variables: dict, args, kwargs):
     unbound = module.clone(parent=None)
 
     def pure(v, *a, _rngs, **k):
-        return unbound.apply(v, *a, method=method, mutable=mutable or False, rngs=_rngs, **k)
+        _group_roots.append(None)
+        try:
+            return unbound.apply(v, *a, method=method, mutable=mutable or False, rngs=_rngs, **k)
+        finally:
+            _group_roots.pop()
 
     out = run_group(pure, variables, args, {**kwargs, "_rngs": rngs}, name=_path(module))
     if not mutable:
