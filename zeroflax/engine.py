@@ -323,8 +323,9 @@ class Engine:
         gathers itself (Flax modules, groups, scans, zeroflax.gather) and whether Config.remat applies
         anywhere. Leaves it uses as plain arrays are then gathered on entry, as are all of them if the
         loss cannot run on handles at all."""
-        first = jax.tree.map(lambda x: x[: x.shape[0] // self.config.grad_accum_steps], batch)  # one micro-batch
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+        first = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.config.grad_accum_steps,) + x.shape[1:],
+                                                            x.dtype), batch)  # one micro-batch
 
         def trace(usage, owners=frozenset()):  # a new function each time: eval_shape caches traces
             def local(params, batch, model_state):
@@ -783,8 +784,8 @@ class Engine:
         """The compiled step (of `phase`; default the steady state) for these (abstract or concrete)
         arguments; no step is run."""
         phase = phase or self.phases[-1]
-        self._settle_remat(state, batch)
         state_abs, batch_abs = self.abstract_args(state, batch)
+        self._settle_remat(state_abs, batch_abs)  # global shapes: a process's numpy rows are its share only
         key = phase, jax.tree.structure((state_abs, batch_abs)), tuple(
             (s.shape, str(s.dtype), s.sharding) for s in jax.tree.leaves((state_abs, batch_abs)))
         if key not in self._compiled:
