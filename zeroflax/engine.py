@@ -28,7 +28,6 @@ several programs (`Engine.phases`), picked on the host from the step number.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 import warnings
@@ -241,9 +240,11 @@ class Engine:
     def _cast_batch(self, batch):
         return _floats_to(batch, self.config.compute_dtype)
 
-    def _context(self, usage: GatherUsage) -> LayerContext:
+    def _context(self, usage: GatherUsage, scan_owners: frozenset | None = None) -> LayerContext:
+        """The context the loss is traced in; `scan_owners` defaults to what the probe found."""
         config = self.config
-        owners = frozenset(self._probe_usage.scan_owners if self._probe_usage is not None else ())
+        probed = self._probe_usage.scan_owners if self._probe_usage is not None else ()
+        owners = frozenset(probed) if scan_owners is None else scan_owners
         return LayerContext(remat=self.remat, bucket=config.prefetch_bucket_size,
                             max_live=config.max_live_parameters, usage=usage,
                             sequence_parallel=config.sequence_parallel, tensor_size=self.mesh.shape.get(TENSOR_AXIS, 1),
@@ -330,9 +331,8 @@ class Engine:
         def trace(usage, owners=frozenset()):  # a new function each time: eval_shape caches traces
             def local(params, batch, model_state):
                 params, sources = self._gradient_sinks(params)
-                ctx = dataclasses.replace(self._context(usage), scan_owners=owners)
-                loss, _, _ = self._traced_loss(ctx, _all_leaves(params), params, batch, jax.random.PRNGKey(0),
-                                               model_state, sources)
+                loss, _, _ = self._traced_loss(self._context(usage, owners), _all_leaves(params), params, batch,
+                                               jax.random.PRNGKey(0), model_state, sources)
                 return loss
 
             fn = jax.shard_map(local, mesh=self.mesh, in_specs=(self.plan.data_specs("params"), P(DATA_AXIS), P()),

@@ -8,7 +8,7 @@ temporaries of remat 'none'). There the engine compiles the step both ways once,
 and runs the one with fewer temporaries, saying so when remat saves nothing. At ZeRO stage 3 it does not:
 remat is what drops the gathered weights between the forward and the backward pass, and 'none' is
 refused there; nor with offload, 1-bit Adam or a pipeline, whose steps are built differently. Models
-without recurrent regions are not compiled twice (their remat was measured to keep 0.66-0.75x of
+without recurrent regions are not compiled twice (their remat was measured to keep 0.66-0.77x of
 'none''s temporaries: docs/zero3.md).
 """
 from __future__ import annotations
