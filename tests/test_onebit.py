@@ -13,7 +13,7 @@ import pytest
 import zeroflax
 from zeroflax.checkpoint import Checkpointer
 from zeroflax.optim import onebit_adam
-from zeroflax.optim.onebit import SKETCH_BUCKETS, norm_sketch
+from zeroflax.step.onebit_sync import SKETCH_BUCKETS, norm_sketch
 from onebit_sim import _sketch, simulate_onebit_adam
 
 N = 8
@@ -47,7 +47,7 @@ def engine_for(stage, grad_clip=0.0, devices=None, local_clip=False, **hyper):
 
 def simulated(engine, params, grads, steps, grad_clip=0.0, local_clip=False):
     keys = sorted(SHAPES)
-    layouts = [("flat",) if engine.onebit.layouts[k].zero_dim is None else ("zero", engine.onebit.layouts[k].zero_dim)
+    layouts = [("flat",) if engine.sync.layouts[k].zero_dim is None else ("zero", engine.sync.layouts[k].zero_dim)
                for k in keys]
     per_worker = [[[g[k][w] for k in keys] for w in range(N)] for g in grads[:steps]]
     final, state = simulate_onebit_adam([params[k] for k in keys], per_worker, layouts=layouts, grad_clip=grad_clip,
@@ -67,7 +67,7 @@ def test_matches_deepspeed_workers(stage, grad_clip, local_clip):
     engine, state = engine_for(stage, grad_clip, local_clip=local_clip)
     phases = []
     for t in range(steps):
-        phases.append(engine._phase(t))
+        phases.append(engine.clock.phase(state))
         state, metrics = engine.step(state, grads[t])
     expected, layouts, sim_state = simulated(engine, params, grads, steps, grad_clip, local_clip)
     partitioned = stage in (1, 2)
@@ -153,14 +153,14 @@ def test_compressed_step_moves_a_32nd_of_an_all_reduce(grad_clip):
     config = zeroflax.Config(zero_stage=0, micro_batch_size=1, remat="none", grad_clip=grad_clip)
     engine, state = zeroflax.initialize(loss, params, onebit_adam(1e-3, freeze_step=4), config)
     batch = {"x": np.ones((N, 1000), np.float32)}
-    warmup, compressed = (engine.comm_report(state, batch, phase) for phase in ("warmup", "compressed"))
+    warmup, compressed = (zeroflax.comm_report(engine, state, batch, phase) for phase in ("warmup", "compressed"))
     for report in (warmup, compressed):
         assert abs(report.ratio - 1) < 0.01, str(report)
     assert warmup.total_bytes / compressed.total_bytes >= (30.9 if grad_clip else 31.9), (str(warmup), str(compressed))
     run = 0.15 * warmup.total_bytes + 0.85 * compressed.total_bytes
     assert warmup.total_bytes / run >= 5
     assert "all-to-all" in compressed.by_kind and "compressed step" in str(compressed)
-    memory = engine.memory_report(state, batch)  # the error buffers: 4 N C + 4 C bytes per device
+    memory = zeroflax.memory_report(engine, state, batch)  # the error buffers: 4 N C + 4 C bytes per device
     assert memory.sync_state == memory.sync_theory and "1-bit Adam buffers" in str(memory)
 
 

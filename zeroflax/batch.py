@@ -92,5 +92,26 @@ class BatchLayout:
                    for x in jax.tree.leaves(self.abstract(batch))) // self.data_size
 
 
+def batch_share(mesh: Mesh) -> tuple[int, int]:
+    """(index, count): this process feeds block `index` of the global batch's rows cut into `count`
+    equal blocks, the rows of the data-axis shards its devices hold. count is the process count
+    when processes split `data`; 1 when they split only other axes (a pipe axis across hosts): then
+    every process feeds the whole batch."""
+    data_size = mesh.shape[DATA_AXIS]
+    data_dim = mesh.axis_names.index(DATA_AXIS)
+    owners = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    mine = sorted({int(c[data_dim]) for c in np.argwhere(owners == jax.process_index())})
+    per = len(mine)
+    if mine != list(range(mine[0], mine[0] + per)) or data_size % per:
+        raise ConfigError("MeshConfig.axes", f"this process's devices hold data shards {mine}, not one "
+                          "contiguous block", "order the mesh axes so each process holds whole data blocks")
+    return mine[0] // per, data_size // per
+
+
+def batch_layout(mesh: Mesh, train_batch_size: int) -> BatchLayout:
+    """How a step over `mesh` takes batches of `train_batch_size` rows."""
+    return BatchLayout(mesh, train_batch_size, batch_share(mesh)[1], mesh.shape[DATA_AXIS])
+
+
 def _dtype(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype

@@ -25,7 +25,7 @@ def _compute_on_takes_function() -> bool:
 
 def on_host(f: Callable) -> Callable:
     """`f` compiled to run on the host (XLA's 'device_host' compute type) with its outputs left in host
-    memory, as ZeRO-Offload's host update needs (zeroflax/optim/offload.py)."""
+    memory, as ZeRO-Offload's host update needs (zeroflax/step/offloaded_update.py)."""
     if _compute_on_takes_function():
         return _compute_on(f, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
     return _compute_on("device_host")(jax.jit(f))

@@ -26,8 +26,7 @@ def settle_remat(engine, state, batch) -> str:
     """The remat policy `engine` runs (its `remat` attribute, set here): Config.remat, or 'none' where
     compiling both showed that remat keeps at least as many temporaries on this model."""
     configured = engine.config.remat
-    if (configured == "none" or engine.config.zero_stage == 3 or engine.schedule is not None
-            or engine.offload is not None or engine.onebit is not None):
+    if configured == "none" or engine.config.zero_stage == 3 or not engine.parts.plain:
         return configured
     if not recurrent_regions(engine.probe(state, batch)):  # an abstract trace, no compilation
         return configured

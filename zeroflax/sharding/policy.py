@@ -80,7 +80,7 @@ class LeafPlacement:
         return P(*axes)
 
 
-def _is_placement(x) -> bool:
+def is_placement(x) -> bool:
     return isinstance(x, LeafPlacement)
 
 
@@ -185,7 +185,7 @@ class ShardingPlan:
     def streamed(self) -> list[bool]:
         """Per parameter leaf (flattened): is it streamed from the host where it is gathered?"""
         if self.compute is None:
-            return [False] * len(jax.tree.leaves(self.placements, is_leaf=_is_placement))
+            return [False] * len(jax.tree.leaves(self.placements, is_leaf=is_placement))
         return [c is None for c in jax.tree.leaves(self.compute, is_leaf=lambda x: x is None)]
 
     @property
@@ -201,12 +201,12 @@ class ShardingPlan:
         the loss, or of 'grads'."""
         partitioned = ZERO_PARTITIONED[self.stage][state]
         return jax.tree.map(lambda p: p.data_spec() if partitioned else p.pipe_spec(), self.placements,
-                            is_leaf=_is_placement)
+                            is_leaf=is_placement)
 
 
 def _sharding_tree(mesh, placements, with_data: bool, memory_kind: str | None = None):
     return jax.tree.map(lambda p: NamedSharding(mesh, p.spec(with_data), memory_kind=memory_kind), placements,
-                        is_leaf=_is_placement)
+                        is_leaf=is_placement)
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_state, placements, mesh: Mesh,
@@ -234,7 +234,7 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_st
         return NamedSharding(mesh, P(), memory_kind=memory_kind) if hasattr(state_leaf, "shape") else state_leaf
 
     return optax.tree_map_params(optimizer, for_param_slot, abstract_opt_state, placements,
-                                 transform_non_params=for_other, is_leaf=_is_placement)
+                                 transform_non_params=for_other, is_leaf=is_placement)
 
 
 def make_plan(optimizer, abstract_params, logical_axes, mesh: Mesh, config: Config) -> ShardingPlan:
@@ -248,7 +248,7 @@ def make_plan(optimizer, abstract_params, logical_axes, mesh: Mesh, config: Conf
     if offload:
         stream = config.offload_param.enabled
         compute = jax.tree.map(lambda p: None if stream and p.zero_dim is not None
-                               else NamedSharding(mesh, p.spec(which["params"])), placements, is_leaf=_is_placement)
+                               else NamedSharding(mesh, p.spec(which["params"])), placements, is_leaf=is_placement)
         host_grads = _sharding_tree(mesh, placements, which["grads"], host)
     return ShardingPlan(
         mesh=mesh,

@@ -1,4 +1,4 @@
-"""Gradient synchronisation across the data axis: the one replaceable step between backward and update.
+"""ZeRO's gradient synchronisation across the data axis: the step's `GradSync` part (`step/parts.py`).
 
 Runs inside the engine's `shard_map` (manual over `data`), on each device's local gradients.
 `per_microbatch` is applied to every micro-batch's gradients before they are accumulated, `final`
@@ -11,7 +11,7 @@ to the accumulated gradients. The ZeRO stages differ only in when a partitioned 
 
 Leaves that stay replicated over `data` (small or indivisible) are all-reduced at the end. Every
 reduction runs on the leaf's tensor slices (`sharding.manual.on_slices`), never on the whole leaf.
-A compressed scheme (1-bit Adam) replaces this object with its own.
+A compressed scheme (1-bit Adam, `step/onebit_sync.py`) is another object with the same protocol.
 """
 from __future__ import annotations
 
@@ -19,17 +19,16 @@ import dataclasses
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from zeroflax.sharding.manual import on_slices, psum_on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
-from zeroflax.sharding.policy import LeafPlacement
+from zeroflax.sharding.policy import LeafPlacement, is_placement
 from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE
+from zeroflax.step.parts import Synced
+from zeroflax.step.phases import STEADY
 
 SCATTER_WHEN = {0: None, 1: "final", 2: "microbatch", 3: "backward"}
-
-
-def _is_placement(x) -> bool:
-    return isinstance(x, LeafPlacement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,22 +36,45 @@ class ZeroGradSync:
     stage: int
     placements: Any  # tree of LeafPlacement, params structure
     axis: str = DATA_AXIS
+    phases = (STEADY,)
+
+    # No state of its own, and nothing but the gradients to exchange.
+    def init_state(self):
+        return None
+
+    def shardings(self, mesh):
+        return None
+
+    def state_bytes(self) -> int:
+        return 0
+
+    def inputs(self, state, phase: str = STEADY):
+        return None, P()
+
+    def output_specs(self, phase: str = STEADY):
+        return P()
+
+    def synced(self, grads, outputs, state, phase: str = STEADY) -> Synced:
+        return Synced(grads, state)
 
     def _map(self, fn, grads):
-        return jax.tree.map(lambda p, g: fn(p, g), self.placements, grads, is_leaf=_is_placement)
+        return jax.tree.map(lambda p, g: fn(p, g), self.placements, grads, is_leaf=is_placement)
 
     def _scatter(self, placement: LeafPlacement, grad):
         scatter = lambda g: jax.lax.psum_scatter(g, self.axis, scatter_dimension=placement.zero_dim, tiled=True)
         return on_slices(scatter, grad, placement.auto_spec())
 
-
-    def per_microbatch(self, grads):
+    def per_microbatch(self, grads, phase: str = STEADY):
         if SCATTER_WHEN[self.stage] != "microbatch":
             return grads
         with jax.named_scope(GRAD_SYNC_SCOPE):
             return self._map(lambda p, g: g if p.zero_dim is None else self._scatter(p, g), grads)
 
-    def final(self, grads):
+    def final(self, grads, inputs=None, phase: str = STEADY):
+        """(the reduced gradients, no outputs)."""
+        return self.reduced(grads), None
+
+    def reduced(self, grads):
         when = SCATTER_WHEN[self.stage]
 
         def reduce(p, g):

@@ -22,27 +22,26 @@ the gradients' sizes agree, with the host still off the step's critical path.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zeroflax.compat import on_host
 from zeroflax.config import Config, ConfigError
+from zeroflax.optim.apply import apply_optimizer
 from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.layers import all_gather_exact
 from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
-from zeroflax.sharding.policy import LeafPlacement, ShardingPlan
+from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_placement
+from zeroflax.step.parts import Updated
 
 
 def _is_none(x) -> bool:
     return x is None
-
-
-def _is_placement(x) -> bool:
-    return isinstance(x, LeafPlacement)
 
 
 def on_device(shardings):
@@ -50,15 +49,90 @@ def on_device(shardings):
     return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
+def linearized_update(optimizer: optax.GradientTransformation, params, opt_state, probe, probe_norm,
+                      grad_clip: float):
+    """The optimizer's next update as an affine function of the next gradient g, for the 'linear'
+    prediction: (center, slope) with U(g) ~ center + slope g, the secant through U(+probe) and
+    U(-probe), per element (exact for an elementwise optimizer at g = +-probe; `probe` is the gradient
+    just applied, so of the next one's size, and `probe_norm` its norm, which the update has computed).
+    Where probe is 0 the slope is 0. A secant, not jax.jvp: the jvp of a division makes constants in
+    device memory, which jax 0.10 refuses to mix with the host's arrays."""
+    if grad_clip > 0:
+        probe = clip_to(probe, probe_norm, grad_clip)
+    up = optimizer.update(probe, opt_state, params)[0]
+    down = optimizer.update(jax.tree.map(lambda h: -h, probe), opt_state, params)[0]
+    center = jax.tree.map(lambda a, b: (a + b) * 0.5, up, down)
+    # (h == 0) keeps the division finite where the select drops it; h * 0 is a zero in host memory
+    slope = jax.tree.map(lambda a, b, h: jnp.where(h != 0, (a - b) / (h + h + (h == 0)), h * 0), up, down, probe)
+    return center, slope
+
+
+EXACT, STEADY = "exact", "steady"  # the delayed update's phases: before delayed_update_start, and after
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadedUpdate:
+    """The step's update part under offload (`zeroflax.step.parts.Update`); its TrainState fields are
+    `compute_params` and, with the delayed update, `pending_grads`."""
+
     plan: ShardingPlan
     config: Config
     manual_axes: frozenset  # the engine's manual mesh axes (data, and pipe with a pipeline)
-    # The engine's update on shards: (params, opt_state, grads, apply) -> (params, opt_state, grad_norm, finite).
-    update_fn: Callable
-    # The optimizer's next update, affine in the next gradient: (params, opt_state, probe, its norm) -> (center, slope).
-    linearize_fn: Callable | None = None
+    optimizer: optax.GradientTransformation
+    skips_nonfinite: bool  # fp16, or Config.nonfinite 'skip': a step with a non-finite gradient is skipped
+
+    # ------------------------------------------------------------------ phases (the delayed update)
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return (EXACT, STEADY) if self.config.offload_optimizer.delayed_update else (STEADY,)
+
+    def host_view(self, state):
+        return None
+
+    def pick(self, step: int, view) -> str:
+        return STEADY if step >= self.config.offload_optimizer.delayed_update_start else EXACT
+
+    def after(self, step: int, phase: str, view):
+        return view
+
+    # ------------------------------------------------------------------------ its TrainState fields
+    def field_shardings(self) -> dict:
+        delayed = self.config.offload_optimizer.delayed_update
+        return {"compute_params": self.plan.compute, "pending_grads": self.plan.host_grads if delayed else None}
+
+    def abstract_fields(self, abstract_params) -> dict:
+        delayed = self.config.offload_optimizer.delayed_update
+        return {"compute_params": jax.eval_shape(self.compute_copy, abstract_params),
+                "pending_grads": abstract_params if delayed else None}
+
+    def init_fields(self, params) -> dict:
+        """The delayed update's pending gradients start as zeros (the compute copy: `refreshed`)."""
+        if not self.config.offload_optimizer.delayed_update:
+            return {}
+        zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params)
+        return {"pending_grads": jax.jit(zeros, out_shardings=self.plan.host_grads)()}
+
+    @functools.cached_property
+    def _jit_compute_copy(self):
+        return jax.jit(self.compute_copy_of, out_shardings=self.plan.compute)
+
+    def refreshed(self, state):
+        """`state` with the device's compute copy made from its master weights (after a restore, or a
+        change to `state.params`)."""
+        return state.replace(compute_params=self._jit_compute_copy(state.params))
+
+    def restored(self, state):
+        """A restored (or fresh) state, with its compute copy remade if it has none."""
+        return self.refreshed(state) if state.compute_params is None else state
+
+    def readable(self, params):
+        """The master weights where the device computes with them (evaluation)."""
+        return jax.device_put(params, on_device(self.plan.params))
+
+    def stored(self, state):
+        """The compute copy is dropped from what a checkpoint holds (it is remade from the master
+        weights) unless the delayed update's prediction made it: that one cannot be remade."""
+        return state if self.config.offload_optimizer.predicts else state.replace(compute_params=None)
 
     def compute_copy(self, params):
         """The compute-dtype copy of the master weights that the device keeps (None for streamed leaves)."""
@@ -76,10 +150,10 @@ class OffloadedUpdate:
         return jax.tree.map(lambda c, p: p if c is None else c.astype(p.dtype), state.compute_params, state.params,
                             is_leaf=_is_none)
 
-    def __call__(self, state, grads, delayed: bool):
-        """(params, opt_state, compute_params, pending_grads, grad_norm, finite) after the update of
-        `grads` (reduced, on the device); `delayed`: the delayed update's steady state."""
+    def __call__(self, state, synced, phase: str):
+        """The update of `synced.grads` (reduced, on the device), as `zeroflax.step.parts.Updated`."""
         plan, offload = self.plan, self.config.offload_optimizer
+        grads, delayed = synced.grads, phase != EXACT
         # device -> host: the reduced gradient shards (the device update keeps them where they are)
         host_grads = jax.device_put(grads, plan.host_grads) if offload.update == "host" else grads
         apply, pending = None, state.pending_grads
@@ -91,7 +165,9 @@ class OffloadedUpdate:
 
         def update(params, opt_state, grads, apply, params_layout=plan.params):
             before = params
-            params, opt_state, grad_norm, finite = self.update_fn(params, opt_state, grads, apply)
+            params, opt_state, grad_norm, finite = apply_optimizer(
+                self.optimizer, params, opt_state, grads, grad_clip=self.config.grad_clip,
+                skips_nonfinite=self.skips_nonfinite, apply=apply)
             # Pinned to the master's layout: the compute copy's all-gather (stages 1-2) happens later, on
             # the device; unpinned, XLA gathers the delayed update's select on the host instead.
             params = jax.lax.with_sharding_constraint(params, params_layout)
@@ -99,7 +175,8 @@ class OffloadedUpdate:
                 guess = jax.tree.map(lambda new, old: new + (new - old), params, before)
                 return params, opt_state, self.compute_copy(guess), grad_norm, finite
             if prediction == "linear":  # the next update, affine in the next gradient (slope in bf16)
-                center, slope = self.linearize_fn(params, opt_state, grads, grad_norm)
+                center, slope = linearized_update(self.optimizer, params, opt_state, grads, grad_norm,
+                                                  self.config.grad_clip)
                 guess = jax.tree.map(lambda p, u: p + u, params, center)
                 return params, opt_state, (self.compute_copy(guess), self.slope_copy(slope)), grad_norm, finite
             return params, opt_state, self.compute_copy(params), grad_norm, finite
@@ -133,7 +210,8 @@ class OffloadedUpdate:
             guess, slope = jax.device_put(compute, (shard_layout, shard_layout))
             compute = jax.lax.with_sharding_constraint(self.predicted_copy(guess, slope, grads), shard_layout)
         compute = self.gather_compute_copy(jax.device_put(compute, shard_layout))
-        return params, opt_state, compute, pending, grad_norm, finite
+        fields = {"compute_params": compute, "pending_grads": pending}
+        return Updated(params, opt_state, grad_norm, finite, fields)
 
     def slope_copy(self, slope):
         """The slope dU/dg as it travels to the device: bf16 (it scales a correction, 3 digits are plenty)."""
@@ -168,8 +246,8 @@ class OffloadedUpdate:
                 return shard
             return on_slices(lambda s: all_gather_exact(s, placement.zero_dim, DATA_AXIS), shard, placement.auto_spec())
 
-        local = lambda tree: jax.tree.map(gather, placements, tree, is_leaf=_is_placement)
-        specs = lambda spec: jax.tree.map(spec, placements, is_leaf=_is_placement)
+        local = lambda tree: jax.tree.map(gather, placements, tree, is_leaf=is_placement)
+        specs = lambda spec: jax.tree.map(spec, placements, is_leaf=is_placement)
         fn = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(specs(LeafPlacement.data_spec),),
                            out_specs=specs(LeafPlacement.pipe_spec), axis_names=set(self.manual_axes),
                            check_vma=False)

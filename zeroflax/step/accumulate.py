@@ -1,0 +1,57 @@
+"""Gradients from plain accumulation: each device runs the loss on its micro-batches one after another
+(a `lax.scan` when there are several) and sums their gradients."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from zeroflax.sharding.mesh import DATA_AXIS
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    accum: int  # micro-batches per device and step (Config.grad_accum_steps)
+    manual_axes: frozenset = frozenset({DATA_AXIS})
+    schedule = None
+    layer_order = None
+
+    def __call__(self, trace, params, micro, rng, seed, model_state, sources, per_microbatch):
+        ctx, point_of_use = trace.start()
+
+        def micro_grads(micro_batch, micro_rng, state):
+            def scaled_loss(p):
+                loss, aux, new_state = trace.traced(ctx, point_of_use, p, micro_batch, micro_rng, state, sources)
+                loss = loss.astype(jnp.float32)
+                return loss * seed, (loss, aux, new_state)
+
+            grads, (loss, aux, new_state) = jax.grad(scaled_loss, has_aux=True)(params)
+            return per_microbatch(grads), loss, aux, new_state
+
+        if self.accum == 1:
+            grads, loss, aux, model_state = micro_grads(jax.tree.map(lambda x: x[0], micro), rng, model_state)
+        else:
+            shapes = jax.eval_shape(micro_grads, jax.tree.map(lambda x: x[0], micro), rng, model_state)
+
+            def body(carry, inputs):
+                grad_acc, loss_acc, aux_acc, state = carry
+                micro_batch, index = inputs
+                grads, loss, aux, state = micro_grads(micro_batch, jax.random.fold_in(rng, index), state)
+                add = lambda a, b: jax.tree.map(jnp.add, a, b)
+                return (add(grad_acc, grads), loss_acc + loss, add(aux_acc, aux), state), None
+
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[:3])
+            (grads, loss, aux, model_state), _ = jax.lax.scan(
+                body, (*zeros, model_state), (micro, jnp.arange(self.accum)))
+            loss = loss / self.accum
+            aux = jax.tree.map(lambda a: a / self.accum, aux)
+        loss = jax.lax.pmean(loss, DATA_AXIS)
+        aux = jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux)
+        # Every device (and so every checkpoint) holds the same model state: the mean over `data`.
+        model_state = jax.tree.map(
+            lambda x: jax.lax.pmean(x, DATA_AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, model_state)
+        return grads, loss, aux, model_state
+
+    def after_sync(self, grads):
+        return grads

@@ -1,0 +1,140 @@
+"""The step's parts chosen from `Config`: the only place that knows which scheme each part runs, and
+which combinations are refused (with the Config key at fault)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+import jax
+import optax
+
+from zeroflax.config import Config, ConfigError
+from zeroflax.optim import onebit
+from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order
+from zeroflax.pipeline.schedule import build_schedule
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
+from zeroflax.sharding.policy import ShardingPlan
+from zeroflax.step.accumulate import Accumulation
+from zeroflax.step.device_update import DeviceUpdate
+from zeroflax.step.offloaded_update import OffloadedUpdate
+from zeroflax.step.onebit_sync import make_sync
+from zeroflax.step.parts import GradSource, GradSync, Update
+from zeroflax.step.phases import PhaseClock
+from zeroflax.step.pipelined import Pipelined
+from zeroflax.step.scaler import LossScaler
+from zeroflax.step.state import TrainState
+from zeroflax.step.zero_sync import ZeroGradSync
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    source: GradSource
+    sync: GradSync
+    update: Update
+    scaler: LossScaler
+
+    @property
+    def plain(self) -> bool:
+        """Accumulated gradients, ZeRO's sync and the update on the device: no pipeline, no offload,
+        no compressed sync."""
+        return (isinstance(self.source, Accumulation) and isinstance(self.sync, ZeroGradSync)
+                and isinstance(self.update, DeviceUpdate))
+
+    @property
+    def clock(self) -> PhaseClock:
+        return PhaseClock((self.source, self.sync, self.update))
+
+
+def skips_nonfinite(config: Config) -> bool:
+    """Whether a step with a non-finite gradient is skipped in the step itself (fp16; nonfinite 'skip')."""
+    return config.precision == "fp16" or config.nonfinite == "skip"
+
+
+def build_parts(config: Config, plan: ShardingPlan, optimizer: optax.GradientTransformation, abstract_params,
+                has_model_state: bool) -> Parts:
+    mesh = plan.mesh
+    if config.sequence_parallel and mesh.shape.get(TENSOR_AXIS, 1) == 1:
+        raise ConfigError("Config.sequence_parallel", "splits activations over the tensor axis, but the mesh's "
+                          f"tensor axis has 1 device ({dict(mesh.shape)})",
+                          "give MeshConfig.axes['tensor'] 2 or more devices, or set sequence_parallel False")
+    source = _source(config, plan, has_model_state)
+    if plan.offload and (source.layer_order is not None or has_model_state):
+        raise ConfigError("OffloadOptimizerConfig.device", "offload with " + (
+            "the interleaved pipeline schedule" if source.layer_order is not None else "model state (Flax "
+            "collections such as batch_stats)") + " is not built", "set OffloadOptimizerConfig.device='none'")
+    zero = ZeroGradSync(config.zero_stage, plan.placements)
+    sync = _onebit_sync(config, plan, optimizer, abstract_params, zero) or zero
+    skips = skips_nonfinite(config)
+    update = (OffloadedUpdate(plan, config, source.manual_axes, optimizer, skips) if plan.offload else
+              DeviceUpdate(plan, optimizer, config.grad_clip, skips))
+    return Parts(source, sync, update, LossScaler(config.loss_scale, config.precision == "fp16"))
+
+
+def _source(config: Config, plan: ShardingPlan, has_model_state: bool) -> GradSource:
+    stages = pipe_size(plan.mesh)
+    if stages == 1:
+        return Accumulation(config.grad_accum_steps)
+    layers = check_pipeline(config, plan.placements, stages, has_model_state)
+    virtual = config.pipeline_virtual_stages
+    schedule = build_schedule(config.pipeline_schedule, stages, config.grad_accum_steps, virtual)
+    # Interleaved: device s runs virtual stages s, S + s, ...; a contiguous split of the layer axis over
+    # `pipe` gives it model layers in one block, so the engine stores the stacked layers in pipeline
+    # order (storage row -> model layer) and converts at the edges: checkpoints, evaluation, `model_params`.
+    order = interleaved_layer_order(layers, stages, virtual) if schedule.virtual > 1 else None
+    return Pipelined(schedule, layers // (stages * virtual), config.grad_accum_steps, plan.placements, order)
+
+
+def _onebit_sync(config: Config, plan: ShardingPlan, optimizer, abstract_params, zero: ZeroGradSync):
+    """The 1-bit sync when `optimizer` is `zeroflax.optim.onebit_adam`, after checking what it composes
+    with; None for any other optimizer."""
+    if onebit.find_onebit(optimizer, abstract_params):
+        raise ConfigError("optimizer", "1-bit Adam is wrapped (an optax chain or wrapper): the engine must "
+                          "exchange its momentum, so it has to be the optimizer itself",
+                          "pass zeroflax.optim.onebit_adam(...) directly (Config.grad_clip clips)")
+    if not isinstance(optimizer, onebit.OneBitAdam):
+        return None
+    mesh = plan.mesh
+    refusals = [
+        (config.zero_stage == 3, "Config.zero_stage", "stage 3 reduce-scatters each layer's gradient inside "
+         "the backward pass, so no device ever holds the local gradient whose momentum 1-bit Adam "
+         "compresses", "use zero_stage 0, 1 or 2"),
+        (config.precision == "fp16", "Config.precision", "a step skipped on an fp16 overflow would have to "
+         "roll back every device's error buffers, which is not built", "use 'bf16' or 'fp32'"),
+        (config.nonfinite == "skip", "Config.nonfinite", "a skipped step would have to roll back every "
+         "device's error buffers, which is not built", "use 'error'"),
+        (plan.offload, "OffloadOptimizerConfig.device", "1-bit Adam with offload is not built",
+         "set OffloadOptimizerConfig.device='none'"),
+        (pipe_size(mesh) > 1, f"MeshConfig.axes['{PIPE_AXIS}']", "1-bit Adam under a pipeline is not built",
+         "set the pipe axis to 1"),
+        (mesh.shape.get(TENSOR_AXIS, 1) > 1, f"MeshConfig.axes['{TENSOR_AXIS}']", "1-bit Adam with tensor "
+         "slicing is not built (each slice would be its own compressed buffer)", "set the tensor axis to 1"),
+    ]
+    for refused, key, why, fix in refusals:
+        if refused:
+            raise ConfigError(key, f"refused with zeroflax.optim.onebit_adam: {why}", fix)
+    return make_sync(optimizer, plan.placements, mesh.shape[DATA_AXIS], zero, config.grad_clip)
+
+
+def state_shardings(parts: Parts, plan: ShardingPlan, abstract_model_state) -> TrainState:
+    """Where each field of the TrainState lives: the plan's for parameters and optimizer state, each
+    part's for its own fields."""
+    replicated = plan.replicated
+    return TrainState(
+        step=replicated, params=plan.params, opt_state=plan.opt_state,
+        loss_scale=jax.tree.map(lambda _: replicated, parts.scaler.init()),
+        rng=replicated, model_state=jax.tree.map(lambda _: replicated, abstract_model_state),
+        sync_state=parts.sync.shardings(plan.mesh), **parts.update.field_shardings())
+
+
+def abstract_state(parts: Parts, config: Config, optimizer, abstract_params, abstract_model_state,
+                   shardings: TrainState) -> TrainState:
+    """The initial TrainState as ShapeDtypeStructs with their shardings."""
+    state = TrainState(
+        step=jax.ShapeDtypeStruct((), jax.numpy.int32), params=abstract_params,
+        opt_state=jax.eval_shape(optimizer.init, abstract_params),
+        loss_scale=jax.eval_shape(parts.scaler.init),
+        rng=jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(config.seed))[1]),
+        model_state=abstract_model_state,
+        sync_state=jax.eval_shape(parts.sync.init_state), **parts.update.abstract_fields(abstract_params))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+

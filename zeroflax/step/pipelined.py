@@ -1,0 +1,58 @@
+"""Gradients from the pipeline schedule: each device runs its stage's chunks of the stacked layers for
+the schedule's micro-batches (`pipeline/executor.py`); the leaves every stage holds are summed over
+`pipe` after the sync."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zeroflax.config import ConfigError
+from zeroflax.pipeline.executor import run_schedule, stage_hook
+from zeroflax.pipeline.schedule import Schedule
+from zeroflax.sharding.manual import psum_on_slices
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS
+from zeroflax.sharding.policy import is_placement
+
+
+class Pipelined:
+    manual_axes = frozenset({DATA_AXIS, PIPE_AXIS})
+
+    def __init__(self, schedule: Schedule, layers_per_chunk: int, accum: int, placements, layer_order=None):
+        self.schedule = schedule
+        self.layers_per_chunk = layers_per_chunk
+        self.accum = accum
+        self.placements = placements
+        # Storage row -> model layer of the stacked layers (the interleaved schedule), else None.
+        self.layer_order = layer_order
+        self.activation = None  # one micro-batch's stage input, set when the step is traced (the comm report's unit)
+
+    def __call__(self, trace, params, micro, rng, seed, model_state, sources, per_microbatch):
+        """Per device (manual over `data` and `pipe`): the schedule's micro-batches through this stage."""
+        ctx, point_of_use = trace.start()
+        chunk = self.layers_per_chunk
+
+        def piece(p, micro_batch, micro_rng, x, start, role):
+            with stage_hook(x, start, chunk) as stage:
+                loss, aux, _ = trace.traced(ctx, point_of_use, p, micro_batch, micro_rng, None)
+            if stage.calls != 1:
+                raise ConfigError(f"MeshConfig.axes['{PIPE_AXIS}']", "the loss never calls zeroflax.scan_layers, so "
+                                  "there is no stack of layers to split into pipeline stages",
+                                  "run the layers with zeroflax.scan_layers, or set the pipe axis to 1")
+            return (loss.astype(jnp.float32), aux) if role == "last" else stage.output
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        activation = jax.eval_shape(lambda p: piece(p, first, rng, None, 0, "first"), params)
+        self.activation = activation
+        aux_shape = jax.eval_shape(lambda p, x: piece(p, first, rng, x, 0, "last")[1], params, activation)
+        grads, loss, aux = run_schedule(self.schedule, piece, params, micro, rng, seed, activation,
+                                        per_microbatch, chunk, aux_shape)
+        # Only the last stage computed losses: the sum over `pipe` is theirs.
+        loss = jax.lax.psum(loss, PIPE_AXIS) / self.accum
+        aux = jax.tree.map(lambda a: jax.lax.psum(a, PIPE_AXIS) / self.accum, aux)
+        return grads, jax.lax.pmean(loss, DATA_AXIS), jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux), None
+
+    def after_sync(self, grads):
+        """Leaves every stage holds (embeddings, the head, tied ones too) got a gradient from the stages
+        that use them: their sum over `pipe` (after ZeRO's reduction: on shards when sharded)."""
+        shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else psum_on_slices(g, PIPE_AXIS, p.auto_spec())
+        return jax.tree.map(shared, self.placements, grads, is_leaf=is_placement)
