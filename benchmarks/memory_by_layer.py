@@ -4,7 +4,7 @@ and the collectives of one step of a 2-layer MLP.
     python benchmarks/memory_by_layer.py [--out docs/figures] [--json memory_by_layer.json]
 
 Compile-only, on 8 simulated CPU devices (about 2 minutes on 2 cores). For each model and stage it prints
-the per-layer table (`engine.memory_report(state, batch, by="layer")`) and how much of memory_analysis'
+the per-layer table (`zeroflax.memory_report(engine, state, batch, by="layer")`) and how much of memory_analysis'
 total the rows explain, and writes one figure per model (one panel per stage) as PNG; then the MLP's
 step timelines (`explain.step_timeline`) at stages 0, 2 and 3, as tables and one figure.
 """
@@ -40,7 +40,7 @@ def gpt_reports(stages=STAGES):
     reports = []
     for stage in stages:
         engine, state, batch = abstract_gpt_engine(gpt, base.replace(zero_stage=stage), make_optimizer(tc), tc.seq_len)
-        reports.append(engine.memory_report(state, batch, by="layer"))
+        reports.append(zeroflax.memory_report(engine, state, batch, by="layer"))
     return reports
 
 
@@ -60,7 +60,7 @@ def unet_reports(stages=STAGES):
                                             optax.adam(1e-3), config, sample_batch=sample, abstract=True)
         rows = engine.train_batch_size
         batch = {k: jax.ShapeDtypeStruct((rows,) + v.shape[1:], v.dtype) for k, v in sample.items()}
-        reports.append(engine.memory_report(state, batch, by="layer"))
+        reports.append(zeroflax.memory_report(engine, state, batch, by="layer"))
     return reports
 
 

@@ -30,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import zeroflax  # noqa: E402
 from zeroflax import OffloadOptimizerConfig, OffloadParamConfig  # noqa: E402
 from zeroflax.memory import state_bytes_by_memory  # noqa: E402
 from zeroflax.models.gpt import GPTConfig  # noqa: E402
@@ -73,15 +74,15 @@ def main(argv=None):
     rows, temps_without = [], {}
     for stage in (1, 2, 3):
         engine, state, batch = build(gpt, args.seq, stage)
-        temps_without[stage] = engine.memory_report(state, batch).temp
+        temps_without[stage] = zeroflax.memory_report(engine, state, batch).temp
     for name, stage, offload, stream in CASES:
         engine, state, batch = build(gpt, args.seq, stage, offload, stream)
         live = state_bytes_by_memory(state)
         kinds = ("params", "opt_state", "compute_params")
         device = sum(live[k].get("device", 0) for k in kinds)
         host = sum(b for k in kinds for kind, b in live[k].items() if kind.endswith("host"))
-        memory = engine.memory_report(state, batch)
-        comm = engine.comm_report(state, batch)
+        memory = zeroflax.memory_report(engine, state, batch)
+        comm = zeroflax.comm_report(engine, state, batch)
         rows.append(dict(
             name=name, stage=stage, device=device, device_theory=memory.theory_device, host=host,
             host_theory=12 * psi / n, pending=memory.pending_grads,

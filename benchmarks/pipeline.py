@@ -66,7 +66,7 @@ def main(argv=None):
     for schedule in ("1f1b", "gpipe"):
         for M in (8, 16):
             engine, state, batch = engine_for(model, {"data": 2, "pipe": 4, "tensor": 1}, 0, schedule, M, micro, seq)
-            results["memory"][f"{schedule}_{M}"] = engine.memory_report(state, batch).temp / MiB
+            results["memory"][f"{schedule}_{M}"] = zeroflax.memory_report(engine, state, batch).temp / MiB
     results["memory"]["stage_input_mib"] = micro * seq * 64 * 4 / MiB
     print(f"memory ({time.time() - started:.0f} s)", flush=True)
 
@@ -75,7 +75,7 @@ def main(argv=None):
     for mesh in ({"data": 2, "pipe": 2, "tensor": 2}, {"data": 2, "pipe": 4, "tensor": 1}, {"data": 1, "pipe": 4, "tensor": 2}):
         for stage in (0, 3):
             engine, state, batch = engine_for(wide, mesh, stage, "1f1b", 4, 1, 32)
-            report = engine.memory_report(state, batch)
+            report = zeroflax.memory_report(engine, state, batch)
             name = " x ".join(f"{k} {v}" for k, v in mesh.items())
             results["at_rest"][f"{name}, stage {stage}"] = {
                 "at_rest_mib": report.at_rest / MiB, "theory_mib": report.theory_at_rest / MiB,
@@ -86,7 +86,7 @@ def main(argv=None):
     for mesh, stage in [({"data": 2, "pipe": 2, "tensor": 2}, s) for s in range(4)] + [
             ({"data": 2, "pipe": 4, "tensor": 1}, 0), ({"data": 2, "pipe": 4, "tensor": 1}, 3)]:
         engine, state, batch = engine_for(small, mesh, stage, "1f1b", 8, 2, 32)
-        r = engine.comm_report(state, batch)
+        r = zeroflax.comm_report(engine, state, batch)
         results["comm"].append({"mesh": mesh, "stage": stage, "by_axis_mib": {k: v / MiB for k, v in r.by_axis.items()},
                                 "theory_by_axis_mib": {k: v / MiB for k, v in r.theory_by_axis.items()},
                                 "permute_mib": r.permute_bytes / MiB, "permute_theory_mib": r.permute_theory / MiB})
@@ -101,7 +101,7 @@ def main(argv=None):
     for mesh, M, remat, sp, stage in cases:
         engine, state, batch = engine_for(small, mesh, stage, "1f1b", M, 2, 32, remat=remat,
                                           sequence_parallel=sp)
-        r = engine.comm_report(state, batch)
+        r = zeroflax.comm_report(engine, state, batch)
         kinds = {}
         for c in r.collectives:
             if tuple(c["axes"]) == ("tensor",):
@@ -121,7 +121,7 @@ def main(argv=None):
         for sp in (False, True):
             engine, state, batch = engine_for(long, {"data": 4, "tensor": 2}, 1, "1f1b", 1, 4, 256, remat=remat,
                                               sequence_parallel=sp)
-            row["temp_mib_sp" if sp else "temp_mib"] = engine.memory_report(state, batch).temp / MiB
+            row["temp_mib_sp" if sp else "temp_mib"] = zeroflax.memory_report(engine, state, batch).temp / MiB
         results["sequence_parallel_memory"].append(row)
     print(f"sequence parallel memory ({time.time() - started:.0f} s)", flush=True)
 

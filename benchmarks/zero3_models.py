@@ -85,7 +85,7 @@ def measure(loss, init, batch, logical_axes=None, **config):
     settings.update(config)
     engine, state = zeroflax.initialize(loss, init, optax.adamw(1e-4), zeroflax.Config(**settings),
                                         sample_batch=batch, logical_axes=logical_axes)
-    memory, comm = engine.memory_report(state, batch), engine.comm_report(state, batch)
+    memory, comm = zeroflax.memory_report(engine, state, batch), zeroflax.comm_report(engine, state, batch)
     largest = sorted(memory.groups.values(), reverse=True)[:2]
     compute = 2 if settings["precision"] != "fp32" else 4
     return {"psi": memory.num_params, "temp_mib": memory.temp / MiB, "gathered_peak_mib": memory.gathered_peak / MiB,
@@ -143,13 +143,13 @@ def main(argv=None):
                                  persistence_threshold=4096)
         engine, state = zeroflax.initialize(segmentation_loss(unet), unet_init, optax.adam(1e-4), config,
                                             sample_batch=volume)
-        results["remat"][f"unet_{remat}"] = {"psi": engine.memory_report(state, volume).num_params,
-                                              "temp_mib": engine.memory_report(state, volume).temp / MiB}
+        results["remat"][f"unet_{remat}"] = {"psi": zeroflax.memory_report(engine, state, volume).num_params,
+                                              "temp_mib": zeroflax.memory_report(engine, state, volume).temp / MiB}
         config = config.replace(micro_batch_size=per_device)
         engine, state = zeroflax.initialize(
             resnet_loss, lambda rng, b: resnet.init(rng, b["image"][:1]), optax.adam(1e-4), config,
             sample_batch=images, model_state=("batch_stats",))
-        report = engine.memory_report(state, images)
+        report = zeroflax.memory_report(engine, state, images)
         results["remat"][f"resnet18_{remat}"] = {"psi": report.num_params, "temp_mib": report.temp / MiB}
         log(f"remat {remat}")
     results["unet_stage3"] = measure(segmentation_loss(unet), unet_init, volume, remat="full", micro_batch_size=1)

@@ -63,7 +63,7 @@ def main(argv=None):
           f"{args.precision} compute, fp32 master/grads/Adam", flush=True)
     for stage in range(4):
         engine, state, batch = build(gpt, args.seq, stage, args.precision)
-        memory, comm = engine.memory_report(state, batch), engine.comm_report(state, batch)
+        memory, comm = zeroflax.memory_report(engine, state, batch), zeroflax.comm_report(engine, state, batch)
         results["stages"][stage] = {"memory": memory.to_dict(), "comm": {k: v for k, v in comm.to_dict().items()
                                                                           if k != "collectives"}}
         print(f"stage {stage} done ({time.time() - started:.0f} s)", flush=True)
@@ -71,14 +71,14 @@ def main(argv=None):
     accum = {}
     for stage in (1, 2):
         engine, state, batch = build(gpt, args.seq, stage, args.precision, accum=4)
-        report = engine.memory_report(state, batch)
+        report = zeroflax.memory_report(engine, state, batch)
         accum[stage] = {"grad_buffer": report.grad_buffer, "temp": report.temp}
     results["accumulation_4"] = accum
     print(f"accumulation done ({time.time() - started:.0f} s)", flush=True)
 
     deep = GPTConfig(num_layers=2 * args.layers, d_model=args.d_model, num_heads=args.heads, max_len=args.seq)
     engine, state, batch = build(deep, args.seq, 3, args.precision)
-    deep_memory = engine.memory_report(state, batch)
+    deep_memory = zeroflax.memory_report(engine, state, batch)
     shallow = results["stages"][3]["memory"]
     d, f = args.d_model, gpt.ff
     per_layer_weights = 4 * d + 4 * d * d + 2 * d * f + f + d

@@ -40,10 +40,10 @@ def setup():
 
 def reports(engine, state, batch):
     """What each entry point returns for `batch`, in comparable form."""
-    layers = engine.memory_report(state, batch, by="layer")
+    layers = zeroflax.memory_report(engine, state, batch, by="layer")
     return {"compile": engine.compile(state, batch),
-            "memory": engine.memory_report(state, batch).to_dict(),
-            "comm": engine.comm_report(state, batch).to_dict(),
+            "memory": zeroflax.memory_report(engine, state, batch).to_dict(),
+            "comm": zeroflax.comm_report(engine, state, batch).to_dict(),
             "layers": layers.to_dict(), "layer_arguments": (layers.arguments, layers.arguments_xla),
             "timeline": explain.step_timeline(engine, state, batch)}
 
@@ -92,4 +92,4 @@ def test_wrong_rows_name_train_batch_size(setup, form):
     elif form == "abstract":
         short = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), short)
     with pytest.raises(zeroflax.ConfigError, match="train_batch_size"):
-        engine.memory_report(state, short)
+        zeroflax.memory_report(engine, state, short)

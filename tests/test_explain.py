@@ -80,7 +80,7 @@ def _gpt_report(stage, **changes):
                     mesh=zeroflax.MeshConfig({"data": -1, "tensor": 1}))
     config = zeroflax.Config(**{**settings, **changes})
     engine, state, batch = abstract_gpt_engine(GPT_TINY, config, optax.adamw(1e-3), 16)
-    return engine, engine.memory_report(state, batch, by="layer")
+    return engine, zeroflax.memory_report(engine, state, batch, by="layer")
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_unet_modules_sum_to_memory_analysis():
         engine, state = zeroflax.initialize(segmentation_loss(model), lambda rng, b: model.init(rng, b["image"])["params"],
                                             optax.adam(1e-3), config, sample_batch=sample, abstract=True)
         batch = {k: jax.ShapeDtypeStruct((8,) + v.shape[1:], v.dtype) for k, v in sample.items()}
-        report = engine.memory_report(state, batch, by="layer")
+        report = zeroflax.memory_report(engine, state, batch, by="layer")
         assert report.coverage >= 0.95, (stage, str(report))
         # The rows are the gather groups (module paths), which hold the parameters.
         groups = set(engine.probe_usage.groups)
@@ -138,7 +138,7 @@ def test_unet_modules_sum_to_memory_analysis():
 def test_memory_report_refuses_an_unknown_grouping(gpt_reports):
     engine, _ = gpt_reports[0]
     with pytest.raises(ValueError, match="'category' or 'layer'"):
-        engine.memory_report(engine.abstract_state(), None, by="module")
+        zeroflax.memory_report(engine, engine.abstract_state(), None, by="module")
 
 
 def test_explain_command_writes_table_figure_and_json(tmp_path):

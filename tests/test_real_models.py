@@ -89,7 +89,7 @@ def stage3(name, max_reuse_distance=1_000_000_000, bucket=None, **overrides):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_stage3_gathers_per_module(name):
     engine, state, batch = stage3(name)
-    comm = engine.comm_report(state, batch)  # traces the step, and with it the probe
+    comm = zeroflax.comm_report(engine, state, batch)  # traces the step, and with it the probe
     usage = engine.probe_usage
     assert usage.failed is None, usage.failed
     # Only a leaf used as a plain array outside any module, or shared by groups, is gathered on entry,
@@ -98,7 +98,7 @@ def test_stage3_gathers_per_module(name):
     reasons = engine.gathered_on_entry_reasons()
     assert sorted(reasons) == sorted(expected), reasons
     assert all(word in reasons[path] for path, word in expected.items()), reasons
-    memory = engine.memory_report(state, batch)
+    memory = zeroflax.memory_report(engine, state, batch)
     assert all(path in str(memory) and reasons[path] in str(memory) for path in expected)
     largest = sorted(memory.groups.values(), reverse=True)[:2]
     bound = 2 * sum(largest)  # bf16: 2 bytes per gathered element
@@ -117,7 +117,7 @@ def test_recurrent_cell_communication_independent_of_length(name):
     totals = {}
     for length in (12, 48):
         engine, state, batch = stage3(name, seq_len=length)
-        totals[length] = engine.comm_report(state, batch).total_bytes
+        totals[length] = zeroflax.comm_report(engine, state, batch).total_bytes
     print(f"{name}: collective bytes at 12 steps {totals[12]:.0f}, at 48 steps {totals[48]:.0f}")
     assert totals[12] == totals[48], totals
 
@@ -128,7 +128,7 @@ def test_shared_embedding_gathered_once_per_pass():
     max_reuse_distance 0 every use gathers it (forward and backward) and reduce-scatters its gradient."""
     kept, kept_state, batch = stage3("wmt")
     every, every_state, _ = stage3("wmt", max_reuse_distance=0)
-    once, each = kept.comm_report(kept_state, batch).by_kind, every.comm_report(every_state, batch).by_kind
+    once, each = zeroflax.comm_report(kept, kept_state, batch).by_kind, zeroflax.comm_report(every, every_state, batch).by_kind
     assert every.gathered_on_entry() == []  # (once traced)
     n = 8
     gathered = 48 * 32 * 2 * (n - 1) / n  # bf16 bytes one gather of the (48, 32) embedding moves per device
@@ -150,7 +150,7 @@ def test_remat_never_costs_memory(name):
         engine, state = _initialize(c, zero_stage=0, precision="bf16", remat=remat)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            temps[remat] = engine.memory_report(state, c.batches[0]).temp
+            temps[remat] = zeroflax.memory_report(engine, state, c.batches[0]).temp
         engines[remat] = (engine, [str(w.message) for w in caught])
     ratio = temps["full"] / temps["none"]
     print(f"{name}: temporaries with remat 'full' {temps['full']:,} B, 'none' {temps['none']:,} B: {ratio:.2f}x")
@@ -169,7 +169,7 @@ def test_branches_hold_at_most_two_groups():
     largest when each branch had its own chain). max_reuse_distance 0: the shared embedding, gathered
     once and kept otherwise, would count beside the groups (it is bigger than most of them here)."""
     engine, state, batch = stage3("wmt", bucket=300, max_reuse_distance=0)
-    memory = engine.memory_report(state, batch)
+    memory = zeroflax.memory_report(engine, state, batch)
     largest = sorted(memory.groups.values(), reverse=True)[:2]
     print(f"wmt, {len(memory.groups)} groups: gathered weights at the peak {memory.gathered_peak} B, "
           f"{memory.gathered_peak / (2 * sum(largest)):.2f}x the two largest groups")

@@ -33,7 +33,7 @@ def reports(gpt, stage, **overrides):
     config = zeroflax.Config(mesh=MESH, zero_stage=stage, micro_batch_size=BATCH, persistence_threshold=0,
                              **overrides)
     engine, state = zeroflax.initialize(next_token_loss(model), boxed, optax.adam(1e-3), config)
-    return engine, engine.comm_report(state, batch), engine.compile(state, batch).as_text()
+    return engine, zeroflax.comm_report(engine, state, batch), engine.compile(state, batch).as_text()
 
 
 def tensor_bytes_by_kind(comm) -> dict:

@@ -6,10 +6,11 @@ from zeroflax.sharding.layers import gather, gather_layer, scan_layers
 from zeroflax.sharding.tensor import sequence_split, tensor_parallel
 from zeroflax.adapters import nnx_split, unbox
 from zeroflax.deepspeed_config import from_deepspeed
+from zeroflax.reports import comm_report, memory_report
+from zeroflax.version import __version__
 
 __all__ = [
     "Config", "ConfigError", "Engine", "LossScaleConfig", "MeshConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
     "TrainState",
-    "from_deepspeed", "gather", "gather_layer", "group", "initialize", "nnx_split", "scan_layers", "sequence_split", "tensor_parallel", "unbox",
+    "__version__", "comm_report", "from_deepspeed", "gather", "gather_layer", "group", "initialize", "memory_report", "nnx_split", "scan_layers", "sequence_split", "tensor_parallel", "unbox",
 ]
-__version__ = "0.1.0"

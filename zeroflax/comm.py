@@ -343,7 +343,7 @@ def onebit_theory(sync, stage: int, grad_bytes: int, phase: str) -> float:
     partitioned, so the update is too); in the first compressed step, the all-gather of the warm-up's
     partitioned momentum (fp32); with clipping by the mean gradient's norm, the all-reduce of its sketch
     (fp32, SKETCH_BUCKETS)."""
-    from zeroflax.optim.onebit import FIRST, SKETCH_BUCKETS  # noqa: PLC0415 (comm does not otherwise depend on optim)
+    from zeroflax.step.onebit_sync import FIRST, SKETCH_BUCKETS  # noqa: PLC0415
     layouts = jax.tree.leaves(sync.layouts, is_leaf=lambda x: hasattr(x, "cols"))
     n = sync.data_size
     share = (n - 1) / n
@@ -486,8 +486,8 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     local = _local_elements((leaves, without_data, placements), None, lambda p: True)
     accum = engine.config.grad_accum_steps
     theory_by_axis = {"data": theory_bytes(stage, local, engine.data_size, compute, grad, accum, offload)}
-    if engine.onebit is not None and phase != "warmup":
-        theory_by_axis["data"] = onebit_theory(engine.onebit, stage, grad, phase)
+    if engine.sync.state_bytes() and phase != "warmup":
+        theory_by_axis["data"] = onebit_theory(engine.sync, stage, grad, phase)
     if engine.schedule is not None and stage >= 2:
         # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch and tick, a stage's
         # backward tick recomputes its forward (gathering again at 3), and only the first and last
@@ -523,7 +523,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     transfers = {}
     if offload:
         state_abs, batch_abs = engine.abstract_args(state, batch)
-        jaxpr = jax.make_jaxpr(engine._step_fn(batch_abs, phase))(state_abs, batch_abs).jaxpr
+        jaxpr = jax.make_jaxpr(engine.step_function(batch_abs, phase))(state_abs, batch_abs).jaxpr
         to_device, to_host = host_transfers(jaxpr)
         to_device_theory, to_host_theory = host_traffic_theory(engine, phase)
         transfers = dict(host_to_device=to_device, device_to_host=to_host, host_to_device_theory=to_device_theory,
@@ -534,7 +534,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         # With a pipe or tensor axis the whole-step theory is the sum of the axes that have one.
         theory_bytes=(sum(theory_by_axis.values()) if len(engine.mesh.shape) > 1 and
                       (engine.mesh.shape.get("pipe", 1) > 1 or engine.mesh.shape.get("tensor", 1) > 1)
-                      or "data" in theory_by_axis and engine.onebit is not None
+                      or "data" in theory_by_axis and engine.sync.state_bytes() > 0
                       else theory_bytes(stage, num_params, engine.data_size, compute, grad, accum, offload)),
         phase=phase,
         unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives],

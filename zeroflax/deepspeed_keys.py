@@ -76,8 +76,8 @@ _XLA_COMM = "XLA schedules and fuses the collectives itself"
 MOOT: dict[str, str] = {
     # top level
     "steps_per_print": "progress is printed every TrainConfig.log_every steps",
-    "wall_clock_breakdown": "no per-phase timers: time the step, or use Engine.comm_report / memory_report",
-    "memory_breakdown": "Engine.memory_report gives the per-device bytes from the compiled step",
+    "wall_clock_breakdown": "no per-phase timers: time the step, or use zeroflax.comm_report / memory_report",
+    "memory_breakdown": "zeroflax.memory_report gives the per-device bytes from the compiled step",
     "dump_state": "nothing to dump: print the Config",
     "disable_allgather": _XLA_COMM,
     "prescale_gradients": "gradients are averaged in fp32, so dividing before or after the reduction gives the same mean",
@@ -93,7 +93,7 @@ MOOT: dict[str, str] = {
     "wandb": "not wired: metrics go to metrics.jsonl and TensorBoard",
     "csv_monitor": "metrics go to metrics.jsonl",
     "comet": "not wired: metrics go to metrics.jsonl and TensorBoard",
-    "comms_logger": "Engine.comm_report lists every collective of the compiled step",
+    "comms_logger": "zeroflax.comm_report lists every collective of the compiled step",
     "flops_profiler": "no FLOP profiler hook; use jax.jit(...).lower().cost_analysis()",
     "checkpoint": "orbax checkpoints; they restore at any stage or device count",
     "nebula": "orbax checkpoints (asynchronous with TrainConfig.async_checkpointing)",
@@ -186,7 +186,7 @@ REFUSED: dict[str, tuple[str, str, tuple]] = {
     "amp": ("NVIDIA Apex AMP has no JAX counterpart", "use the fp16 or bf16 block", (DISABLED,)),
     "torch_autocast": ("torch autocast has no JAX counterpart",
                        "use the bf16 block: compute in bf16 with fp32 master weights is what it does", (DISABLED,)),
-    "autotuning": ("no autotuner", "remove the block; Engine.memory_report shows the memory of a configuration",
+    "autotuning": ("no autotuner", "remove the block; zeroflax.memory_report shows the memory of a configuration",
                    (DISABLED,)),
     "eigenvalue": ("no eigenvalue estimation", "remove the block", (DISABLED,)),
     "progressive_layer_drop": ("progressive layer drop is not built", "remove the block", (DISABLED,)),

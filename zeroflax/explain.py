@@ -408,7 +408,7 @@ def layer_report(engine, state, batch, phase: str | None = None) -> LayerMemory:
     """The step's memory per device by layer and category (module docstring)."""
     owners = _owners(engine)
     abstract, batch_abs = engine.abstract_args(state, batch)
-    compiled, allocations, _ = compile_with_buffers(engine._step_fn(batch_abs, phase).lower(abstract, batch_abs))
+    compiled, allocations, _ = compile_with_buffers(engine.step_function(batch_abs, phase).lower(abstract, batch_abs))
     stats = compiled.memory_analysis()
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
              - stats.alias_size_in_bytes)
@@ -482,7 +482,7 @@ def step_timeline(engine, state, batch, phase: str | None = None) -> list[Transf
     from zeroflax.comm import parse_collectives
 
     abstract, batch_abs = engine.abstract_args(state, batch)
-    compiled, _, schedule = compile_with_buffers(engine._step_fn(batch_abs, phase).lower(abstract, batch_abs))
+    compiled, _, schedule = compile_with_buffers(engine.step_function(batch_abs, phase).lower(abstract, batch_abs))
     collectives, _ = parse_collectives(compiled.as_text(), engine.mesh.size, dict(engine.mesh.shape))
     owners = _owners(engine)
     transfers = []

@@ -114,7 +114,7 @@ def export_safetensors(checkpoint_dir: str, out_path: str, *, step: int | None =
     import jax
     from safetensors.numpy import save_file
 
-    import zeroflax
+    from zeroflax.version import __version__
     from zeroflax.checkpoint import CheckpointError, read_meta, restore_params
     from zeroflax.models.gpt import GPTConfig
 
@@ -136,7 +136,7 @@ def export_safetensors(checkpoint_dir: str, out_path: str, *, step: int | None =
     if cast is not None:
         tensors = {k: v.astype(cast) if _floating(v.dtype) else v for k, v in tensors.items()}
     metadata = {"zeroflax.model": json.dumps(meta["model"]), "zeroflax.step": str(step),
-                "zeroflax.version": zeroflax.__version__, "zeroflax.naming": NAMING,
+                "zeroflax.version": __version__, "zeroflax.naming": NAMING,
                 "zeroflax.stacked": json.dumps(stacked), "zeroflax.dtype": dtype or "fp32"}
     save_file(tensors, out_path, metadata=metadata)
     return {"path": out_path, "step": step, "dtype": dtype or "fp32",

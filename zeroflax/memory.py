@@ -235,9 +235,9 @@ def memory_report(engine, state, batch) -> MemoryReport:
         offload = dict(theory_device=theory_device, theory_host=theory_host)
     xla_host = {name: getattr(stats, f"host_{name}_size_in_bytes", 0) for name in ("argument", "output", "temp")}
     sync = {}
-    if engine.onebit is not None:
+    if engine.sync.state_bytes():
         sync = dict(sync_state=shard_bytes(abstract.sync_state, shardings.sync_state),
-                    sync_theory=engine.onebit.state_bytes())
+                    sync_theory=engine.sync.state_bytes())
     theory = theory_at_rest(engine.config.zero_stage, num_params, engine.data_size, full_params / num_params,
                             full_opt / num_params, pipe * tensor)
     if offload:

@@ -230,7 +230,7 @@ class Planner:
                 warnings.simplefilter("ignore")  # e.g. "remat applies to nothing": the table says what ran
                 engine, state, batch = abstract_gpt_engine(self.gpt, c.config(self.base), self.optimizer, self.seq,
                                                            global_batch)
-                traced = engine._step_fn(batch).trace(state, batch)
+                traced = engine.step_function(batch).trace(state, batch)
                 compiled = traced.lower().compile()
         except ConfigError as error:
             c.status, c.reason = "invalid", _first_line(error)

@@ -19,13 +19,14 @@ import jax
 import numpy as np
 import optax
 
-import zeroflax
 from zeroflax import workdir
 from zeroflax import checkpoint
 from zeroflax.checkpoint import Checkpointer, CheckpointError, SaveError
 from zeroflax.config import Config, ConfigError, configurable
 from zeroflax.data import DataError, TokenLoader, load_tokens, train_val_split, validation_batches
+from zeroflax.engine import initialize
 from zeroflax.generate import generate_text
+from zeroflax.memory import memory_report
 from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
 from zeroflax.optim.clipping import all_finite
 from zeroflax.optim.onebit import onebit_adam
@@ -274,7 +275,7 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
 
     model = GPT(model_config)
     sample = {"tokens": np.zeros((1, tc.seq_len + 1), np.int32)}
-    engine, state = zeroflax.initialize(next_token_loss(model),
+    engine, state = initialize(next_token_loss(model),
                                         lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"],
                                         optimizer if optimizer is not None else make_optimizer(tc), config,
                                         sample_batch=sample)
@@ -319,7 +320,7 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
         f"{engine.train_batch_size} x {tc.seq_len} tokens per step; {train_tokens.size:,} training bytes ({tc.data})")
     first_batch = loader.next_batch()
     if is_main:
-        print(engine.memory_report(state, first_batch))
+        print(memory_report(engine, state, first_batch))
     metrics_log = MetricsLog(tc.workdir, tc.tensorboard, is_main)
     bpb_before = validation_bits_per_byte(engine, state, val_tokens, tc)
     say(f"validation: {bpb_before:.3f} bits per byte at step {start}")

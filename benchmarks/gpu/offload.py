@@ -252,7 +252,7 @@ def time_config(mode: str, args, device, limits, rec: Recorder) -> dict:
     t0 = time.perf_counter()
     step = engine.compile(state, data)
     row["compile_s"] = time.perf_counter() - t0
-    report = engine.memory_report(state, data)
+    report = zeroflax.memory_report(engine, state, data)
     device_need, host_need, note = needs(report)
     row.update(report_fields(report), device_need=device_need, host_need=host_need)
     if note:
@@ -358,7 +358,7 @@ def search_mode(mode: str, args, device, limits, clock: Clock, rec: Recorder, de
         try:
             engine, state, host_batch = build(layers, mode, args.search_batch, args, device, abstract=True)
             step = engine.compile(state, host_batch)
-            report = engine.memory_report(state, host_batch)
+            report = zeroflax.memory_report(engine, state, host_batch)
             device_need, host_need, note = needs(report)
             fits = device_need <= limits["device"] and host_need <= limits["host"]
             row.update(report_fields(report), device_need=device_need, host_need=host_need, fits=fits,
@@ -466,7 +466,7 @@ def run_once(layers: int, mode: str, args, device, step=None) -> dict:
         jax.block_until_ready(state)
         row["init_s"] = time.perf_counter() - t0
         data = engine.put_batch(host_batch)
-        # At rest, from the live arrays' memory kinds (engine.memory_report would compile the step again).
+        # At rest, from the live arrays' memory kinds (zeroflax.memory_report would compile the step again).
         by_kind = state_bytes_by_memory(state)
         on_host = lambda fields, host: sum(b for f in fields for kind, b in by_kind[f].items()
                                            if kind.endswith("host") == host)

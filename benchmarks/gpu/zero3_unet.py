@@ -58,7 +58,7 @@ def unet_rows(size, batch, steps):
                                  mesh=zeroflax.MeshConfig({"data": 1, "tensor": 1}))
         engine, state = zeroflax.initialize(segmentation_loss(model), init, optax.adam(1e-4), config,
                                             sample_batch=data, devices=jax.devices()[:1])
-        report = engine.memory_report(state, data)
+        report = zeroflax.memory_report(engine, state, data)
         holder = {"state": state}
 
         def step():
