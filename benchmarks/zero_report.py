@@ -1,5 +1,5 @@
 """ZeRO stages 0-3 on 8 simulated CPU devices: per-device model-state bytes and per-step collective
-bytes for a GPT-like stack, each beside design.md's theory. Compile-only (nothing is trained).
+bytes for a GPT-like stack, each beside the theory of docs/design.md section 2. Compile-only (nothing is trained).
 
     python benchmarks/zero_report.py [--layers 12] [--d-model 384] [--json runs/zero_report.json]
 

@@ -3,7 +3,7 @@
 Deterministic: every case runs on fixed seeds. `ZEROFLAX_SOAK=N` (opt-in, never in CI) runs each case on
 N further seeds instead; a failure's test id names its seed.
 
-The tolerance is an argument (design.md section 9). The engine sums the batch in 8 (x accumulation)
+The tolerance is an argument (docs/design.md section 10). The engine sums the batch in 8 (x accumulation)
 partial sums where the reference sums it once, so each gradient element differs by fp32 reassociation,
 about 1e-7 of the magnitude of the terms it sums. Adam turns a gradient error dg into an update error of
 about lr * dg / (|g| + eps): harmless where |g| is large, but an element whose terms cancel (|g| << eps)

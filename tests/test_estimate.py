@@ -114,7 +114,7 @@ def test_cli_prints_both_columns_and_json(capsys):
     cpu, gpu, _ = estimate.deepspeed_zero3(1_300_000_000, 103_000_000, 8, 2, True, True, True, 1.5)
     assert (rows[3, "optimizer+param"]["deepspeed_gpu"], rows[3, "optimizer+param"]["deepspeed_cpu_per_node"]) == (gpu, cpu)
     assert rows[0, "none"]["deepspeed_gpu"] is None  # DeepSpeed publishes no stage 0/1 estimator
-    # design.md section 4 at rest, N = 16: 12 Psi, 4 Psi + 8 Psi / N, 12 Psi / N; host 12 Psi / N per device
+    # docs/design.md section 2 at rest, N = 16: 12 Psi, 4 Psi + 8 Psi / N, 12 Psi / N; host 12 Psi / N per device
     # (plus 28 bytes of step, rng and loss scale).
     psi = 1_300_000_000
     assert rows[0, "none"]["device_at_rest"] == pytest.approx(12 * psi, abs=64)

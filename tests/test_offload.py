@@ -63,7 +63,7 @@ def test_offload_trains_as_without(model, stage, offload, stream):
             np.testing.assert_array_equal(a, b)
 
 
-COMPOSED = {  # design.md section 8's grid: offload beside the other parts of the step (32 rows per batch)
+COMPOSED = {  # the composition grid (docs/design.md section 10): offload beside the step's other parts, 32 rows a batch
     "tensor2-stage3-param": dict(mesh=MeshConfig({"data": 4, "tensor": 2}), zero_stage=3, micro_batch_size=4),
     "pipe2-gpipe-stage1": dict(mesh=MeshConfig({"pipe": 2, "data": 4, "tensor": 1}), zero_stage=1,
                                pipeline_schedule="gpipe", micro_batch_size=4),
