@@ -224,6 +224,27 @@ class OneBitSync:
         return sum(4 * l.rows * l.cols + 4 * l.cols + (l.rows * (l.cols // 8 + 4) if l.zero_dim is not None else 0)
                    for l in jax.tree.leaves(self.layouts, is_leaf=_is_layout)) + 4
 
+    def data_axis_bytes(self, zero_bytes: float, stage: int, grad_bytes: int, phase: str) -> float:
+        """Its theory for the communication report: ZeRO's volume (`zero_bytes`) during warm-up; in a
+        compressed step, per device over `data`: per leaf of C columns per row, an all-to-all of the
+        worker's packed signs and an all-gather of the servers' ((N-1) C / 8 bytes each) and of both
+        scales (4 (N-1) each); at stages 1-2 the all-gather of the updated parameters (the variance is
+        partitioned, so the update is too); in the first compressed step, the all-gather of the warm-up's
+        partitioned momentum (fp32); with clipping by the mean gradient's norm, the all-reduce of its
+        sketch (fp32, SKETCH_BUCKETS)."""
+        if phase == WARMUP:
+            return zero_bytes
+        layouts = jax.tree.leaves(self.layouts, is_leaf=_is_layout)
+        n = self.data_size
+        share = (n - 1) / n
+        exchange = sum((n - 1) * (l.cols / 4 + 8) for l in layouts)
+        if self.grad_clip > 0 and not self.settings.local_clip:
+            exchange += 2 * 4 * SKETCH_BUCKETS * share
+        partitioned = sum(l.size for l in layouts if l.zero_dim is not None)
+        gather = grad_bytes * partitioned * share if stage in (1, 2) else 0.0
+        first = 4 * partitioned * share if phase == FIRST else 0.0
+        return exchange + gather + first
+
     # ------------------------------------------------------------------------------- in the step
     def inputs(self, state, phase: str):
         """What the compressed phases exchange besides the gradients, and its shard_map specs: the last

@@ -65,7 +65,12 @@ class GradSync(Protocol):
 
     def init_state(self) -> Any: ...
     def shardings(self, mesh) -> Any: ...
-    def state_bytes(self) -> int: ...
+    def state_bytes(self) -> int:
+        """Its state's bytes per device (the memory report's theory)."""
+
+    def data_axis_bytes(self, zero_bytes: float, stage: int, grad_bytes: int, phase: str) -> float:
+        """Its bytes per device over `data` in a step of `phase` (the communication report's theory);
+        `zero_bytes` is ZeRO's volume for the same step."""
 
     def inputs(self, state, phase: str) -> tuple[Any, Any]:
         """(what `final` takes besides the gradients, read from the TrainState; its shard_map specs)."""

@@ -48,6 +48,10 @@ class ZeroGradSync:
     def state_bytes(self) -> int:
         return 0
 
+    def data_axis_bytes(self, zero_bytes: float, stage: int, grad_bytes: int, phase: str = STEADY) -> float:
+        """Its theory for the communication report: ZeRO's volume over `data` (`comm.theory_bytes`)."""
+        return zero_bytes
+
     def inputs(self, state, phase: str = STEADY):
         return None, P()
 
