@@ -496,8 +496,8 @@ def cmd_estimate(args) -> int:
         for flag, value in (("--largest_layer_params", args.largest_layer_params), ("--precision", args.precision)):
             if value is not None:
                 raise ConfigError(flag, "only goes with --params (a gin config's GPT and Config have their own)")
-        from zeroflax.cli import _parse_gin
-        _parse_gin(args.gin_file, args.gin_param)
+        from zeroflax.command_flags import parse_gin
+        parse_gin(args.gin_file, args.gin_param)
         from zeroflax.config import Config
         from zeroflax.models.gpt import GPTConfig
         from zeroflax.train import TrainConfig, make_optimizer

@@ -572,7 +572,7 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_explain(args) -> int:
-    from zeroflax.cli import _force_cpu_devices, _parse_gin
+    from zeroflax.command_flags import force_cpu_devices, parse_gin
     from zeroflax.config import ConfigError
     from zeroflax.plan import _int_list
 
@@ -581,8 +581,8 @@ def cmd_explain(args) -> int:
         raise ConfigError("--stages", f"ZeRO stages are 0-3, got {args.stages!r}")
     if args.devices < 1:
         raise ConfigError("--devices", f"must be >= 1, got {args.devices}")
-    _force_cpu_devices(args.devices)
-    _parse_gin(args.gin_file, args.gin_param)
+    force_cpu_devices(args.devices)
+    parse_gin(args.gin_file, args.gin_param)
     from zeroflax.config import Config
     from zeroflax.models.gpt import GPTConfig
     from zeroflax.plan import abstract_gpt_engine

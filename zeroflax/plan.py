@@ -460,7 +460,7 @@ def global_batch_of(config, devices: int) -> int:
 
 
 def cmd_plan(args) -> int:
-    from zeroflax.cli import _force_cpu_devices, _parse_gin
+    from zeroflax.command_flags import force_cpu_devices, parse_gin
     from zeroflax.cost import Rates
 
     if args.devices < 1:
@@ -472,8 +472,8 @@ def cmd_plan(args) -> int:
     budget = parse_bytes(args.device_memory, "--device-memory")
     host_budget = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None
     space = space_from_args(args)
-    _force_cpu_devices(args.devices)
-    _parse_gin(args.gin_file, args.gin_param)
+    force_cpu_devices(args.devices)
+    parse_gin(args.gin_file, args.gin_param)
     from zeroflax.config import Config
     from zeroflax.models.gpt import GPTConfig
     from zeroflax.train import TrainConfig
