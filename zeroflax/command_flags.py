@@ -1,6 +1,7 @@
-"""The flags the `zeroflax` commands share: --gin_file/--gin_param read into gin (`parse_gin`, which refuses
-gin `import` statements and names the flag at fault), and the simulated CPU device count, set before jax
-creates its CPU backend (`force_cpu_devices`).
+"""The flags the `zeroflax` commands share, each read one way: --gin_file/--gin_param into gin (`parse_gin`,
+which refuses gin `import` statements and names the flag at fault), the simulated CPU device count, set
+before jax creates its CPU backend (`force_cpu_devices`), and comma-separated integer lists such as
+--stages (`int_list`).
 
 cli.py and the commands it registers (estimate, plan, explain) import this module; it imports none of them.
 """
@@ -75,3 +76,14 @@ def _gin_imports(text: str, where: str, seen: set) -> list[str]:
 
 class _MissingInclude(Exception):
     """A gin `include` that names no file (gin itself fails on it with a TypeError)."""
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """A comma-separated list of integers >= 0 (at least one) given to `flag`, e.g. --stages 0,1,2,3."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(flag, f"must be a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ConfigError(flag, f"must list integers >= 0, got {text!r}")
+    return values

@@ -572,11 +572,10 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_explain(args) -> int:
-    from zeroflax.command_flags import force_cpu_devices, parse_gin
+    from zeroflax.command_flags import force_cpu_devices, int_list, parse_gin
     from zeroflax.config import ConfigError
-    from zeroflax.plan import _int_list
 
-    stages = _int_list(args.stages, "--stages")
+    stages = int_list(args.stages, "--stages")
     if not stages or any(s not in (0, 1, 2, 3) for s in stages):
         raise ConfigError("--stages", f"ZeRO stages are 0-3, got {args.stages!r}")
     if args.devices < 1:

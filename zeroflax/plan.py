@@ -38,6 +38,7 @@ import time
 import warnings
 from typing import Any
 
+from zeroflax.command_flags import int_list
 from zeroflax.config import ConfigError
 
 # The modeled peak is used to prune only when it exceeds the budget by more than this share: its largest
@@ -58,16 +59,6 @@ def parse_bytes(text: str, flag: str) -> float:
     if value <= 0:
         raise ConfigError(flag, f"must be positive, got {text!r}")
     return value
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(flag, f"must be a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise ConfigError(flag, f"must list integers >= 0, got {text!r}")
-    return values
 
 
 @dataclasses.dataclass
@@ -431,7 +422,7 @@ def add_parser(subparsers) -> None:
 
 def space_from_args(args) -> Space:
     from zeroflax.config import REMAT_POLICIES
-    stages = _int_list(args.stages, "--stages")
+    stages = int_list(args.stages, "--stages")
     if not set(stages) <= {0, 1, 2, 3}:
         raise ConfigError("--stages", f"ZeRO stages are 0-3, got {args.stages!r}")
     offloads = tuple(v.strip() for v in args.offload.split(",") if v.strip())
@@ -445,7 +436,7 @@ def space_from_args(args) -> Space:
     lists = {}
     for key, flag in (("micro_batches", "--micro-batches"), ("tensor", "--tensor"), ("pipe", "--pipe")):
         text = getattr(args, key)
-        lists[key] = tuple(_int_list(text, flag)) if text else None
+        lists[key] = tuple(int_list(text, flag)) if text else None
         if lists[key] and min(lists[key]) < 1:
             raise ConfigError(flag, f"sizes must be >= 1, got {text!r}")
     return Space(tuple(stages), offloads, remats, **lists)
