@@ -22,7 +22,8 @@ import dataclasses
 import math
 import re
 
-from zeroflax.comm import computation_multipliers, megatron_all_reduces, scope_weight, split_computations
+from zeroflax.comm import megatron_all_reduces
+from zeroflax.hlo import computation_multipliers, scope_weight, split_computations
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+?)\s+([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"^[a-z][a-z0-9]*\[([0-9,]*)\]")

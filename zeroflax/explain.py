@@ -43,7 +43,7 @@ import tempfile
 import jax
 import numpy as np
 
-from zeroflax.comm import _OP_NAME
+from zeroflax.hlo import OP_NAME, entry_arguments
 from zeroflax.sharding.policy import shard_bytes
 from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE, GROUP_NAME, LAYERS_SCOPE, SCOPE_END, UPDATE_SCOPE
 
@@ -101,7 +101,7 @@ def parse_buffer_dump(assignment: str, values: str, live_range: str) -> list[All
         if match:
             current = int(match.group(1))
         elif current is not None and line.lstrip().startswith("from instruction:"):
-            opcode, op_name = _INSTRUCTION.search(line), _OP_NAME.search(line)
+            opcode, op_name = _INSTRUCTION.search(line), OP_NAME.search(line)
             defined[current] = (opcode.group(1) if opcode else "", op_name.group(1) if op_name else "")
     ranges, in_ranges = {}, False
     for line in live_range.splitlines():
@@ -375,18 +375,6 @@ class LayerMemory:
                      f"({self.peak_live / self.total:.1%} of the total; the rest is packing slack: regions "
                      "free then, needed at other moments)")
         return "\n".join(lines)
-
-
-_ARGUMENT = re.compile(r'=\s*\S+\s+parameter\(\d+\).*?op_name="([^"]*)"')
-
-
-def entry_arguments(hlo_text: str) -> set:
-    """The names jax gives the compiled step's arguments ("state.params['w']", "batch['x']"), read
-    from its entry parameters' metadata; empty where a jax version writes none."""
-    from zeroflax.comm import split_computations
-    body, entry = split_computations(hlo_text)
-    return {match.group(1).replace("\\'", "'") for line in body.get(entry, []) for match in [_ARGUMENT.search(line)]
-            if match}
 
 
 def _cells(report: LayerMemory):
