@@ -180,7 +180,7 @@ class Setup:
         return self.mesh["data"]
 
 
-def _placements(spec: ModelSpec, setup: Setup):
+def leaf_placements(spec: ModelSpec, setup: Setup):
     """(leaf, elements per device before ZeRO, partitioned over data?) per leaf, by the policy's rules."""
     from zeroflax.config import DEFAULT_LOGICAL_RULES
     from zeroflax.sharding.policy import choose_zero_dim, logical_to_mesh_axes
@@ -237,7 +237,7 @@ def zeroflax_states(spec: ModelSpec, setup: Setup, stage: int, offload: str = "n
     optimizer_off = offload in ("optimizer", "optimizer+param")
     param_off = offload == "optimizer+param"
     dev_p = dev_o = copy = host_p = host_o = grads = 0.0
-    for leaf, local, partitioned in _placements(spec, setup):
+    for leaf, local, partitioned in leaf_placements(spec, setup):
         shard = local / n if partitioned else local
         master = MASTER_BYTES * (shard if (stage == 3 or optimizer_off) else local)
         opt = spec.opt_bytes * (shard if stage >= 1 else local)
@@ -319,7 +319,7 @@ def gpt_peak(spec: ModelSpec, setup: Setup, states: States, train: dict) -> floa
         return None
     tensor = setup.mesh.get("tensor", 1)
     gpt, remat, micro, accum = spec.gpt, train["remat"], train["micro_batch"], train["accum"]
-    full = sum(MASTER_BYTES * local for _, local, _ in _placements(spec, setup))
+    full = sum(MASTER_BYTES * local for _, local, _ in leaf_placements(spec, setup))
     shard = states.grad_buffer if states.stage >= 2 else zeroflax_states(spec, setup, 2).grad_buffer
     grads = full if states.stage <= 2 else shard
     if accum > 1:
