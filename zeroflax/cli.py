@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 
-from zeroflax import estimate, explain, export, plan
+from zeroflax import estimate, explain_command, export, plan
 from zeroflax.command_flags import force_cpu_devices, parse_gin
 from zeroflax.distributed import DEVICES_ENV, env_int, run_processes
 
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_parser(sub)
     plan.add_parser(sub)
     export.add_parser(sub)
-    explain.add_parser(sub)
+    explain_command.add_parser(sub)
     return parser
 
 
