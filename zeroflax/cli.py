@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 
-from zeroflax import estimate_command, explain_command, export, plan
+from zeroflax import estimate_command, explain_command, export, plan_command
 from zeroflax.command_flags import force_cpu_devices, parse_gin
 from zeroflax.distributed import DEVICES_ENV, env_int, run_processes
 
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(run=cmd_launch)
     estimate_command.add_parser(sub)
-    plan.add_parser(sub)
+    plan_command.add_parser(sub)
     export.add_parser(sub)
     explain_command.add_parser(sub)
     return parser
