@@ -388,7 +388,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     transfers = {}
     if offload:
         state_abs, batch_abs = engine.abstract_args(state, batch)
-        jaxpr = jax.make_jaxpr(engine._step_fn(batch_abs, phase))(state_abs, batch_abs).jaxpr
+        jaxpr = jax.make_jaxpr(engine.step_function(batch_abs, phase))(state_abs, batch_abs).jaxpr
         to_device, to_host = host_transfers(jaxpr)
         to_device_theory, to_host_theory = host_traffic_theory(engine, phase)
         transfers = dict(host_to_device=to_device, device_to_host=to_host, host_to_device_theory=to_device_theory,
