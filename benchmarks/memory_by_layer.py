@@ -29,13 +29,13 @@ STAGES = (0, 1, 2, 3)
 
 def gpt_reports(stages=STAGES):
     """The main job's GPT (experiments/gpt_tiny_zero3.gin) at each stage."""
-    from zeroflax.cli import _parse_gin
+    from zeroflax.command_flags import parse_gin
     from zeroflax.plan import abstract_gpt_engine
     from zeroflax.models.gpt import GPTConfig
     from zeroflax.train import TrainConfig, make_optimizer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _parse_gin([os.path.join(root, "experiments", "gpt_tiny_zero3.gin")], [])
+    parse_gin([os.path.join(root, "experiments", "gpt_tiny_zero3.gin")], [])
     base, gpt, tc = zeroflax.Config(), GPTConfig(), TrainConfig()
     reports = []
     for stage in stages:

@@ -10,7 +10,7 @@ import pytest
 
 import zeroflax
 from cli_helpers import ROOT, zeroflax as run_cli
-from zeroflax import explain
+from zeroflax import buffer_assignment, explain
 from zeroflax.models.gpt import GPTConfig
 from zeroflax.models.unet3d import UNet3D, UNet3DConfig, segmentation_loss
 from zeroflax.plan import abstract_gpt_engine
@@ -47,20 +47,20 @@ LIVE = """HloLiveRange (max 9):
 
 
 def test_parse_dump_and_charge_each_byte_once():
-    allocations = explain.parse_buffer_dump(ASSIGNMENT, VALUES, LIVE)
+    allocations = buffer_assignment.parse_buffer_dump(ASSIGNMENT, VALUES, LIVE)
     assert [(a.index, a.size, a.working) for a in allocations] == [(0, 64, False), (1, 96, True), (2, 4, False)]
     big, small, other = allocations[1].values
     assert (big.dims, big.start, big.end, big.opcode) == ((16,), 1, 2, "fusion")
     assert (small.opcode, small.op_name.endswith("all_gather"), small.start) == ("all-gather", True, 4)
     assert other.dims == (2, 4) and other.op_name == ""
     # The worst moment: small (32) and other (32) live at 4-8; big (64) and other at 1-2 hold more: 96.
-    assert explain.peak_live(allocations) == (96, 1)
+    assert buffer_assignment.peak_live(allocations) == (96, 1)
     # At moment 1 big owns bytes 0-64 (small is not live then); at moment 5 small owns 0-32 and the
     # rest of the region goes to its longest occupant, big.
-    assert explain.charge_regions(allocations[1], 1) == {1: 64, 3: 32}
-    assert explain.charge_regions(allocations[1], 5) == {2: 32, 1: 32, 3: 32}
-    owners = explain._Owners(rows=[], by_path={}, stacks={2: "layers"}, groups=["enc/conv"], grad_dims=set(),
-                             by_dims={})
+    assert buffer_assignment.charge_regions(allocations[1], 1) == {1: 64, 3: 32}
+    assert buffer_assignment.charge_regions(allocations[1], 5) == {2: 32, 1: 32, 3: 32}
+    owners = explain.Owners(rows=[], by_path={}, stacks={2: "layers"}, groups=["enc/conv"], grad_dims=set(),
+                            by_dims={})
     assert explain.value_rows(small, owners) == [("enc/conv", 1.0)]
     assert explain.value_category(small, owners, backward_start=3) == explain.GATHERED
     # A value of the layer loop outside its body with the layers' leading dimension: split over them.

@@ -17,87 +17,21 @@ import argparse
 import os
 import socket
 import sys
-import tokenize
 
-from zeroflax import estimate, explain, export, plan
+from zeroflax import estimate_command, explain_command, export, plan_command
+from zeroflax.command_flags import force_cpu_devices, parse_gin
 from zeroflax.distributed import DEVICES_ENV, env_int, run_processes
 
 EXIT_USAGE = 2
-
-
-def _force_cpu_devices(count: int) -> None:
-    """Simulated CPU devices; must happen before jax creates its CPU backend."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
-
-
-def _parse_gin(files, bindings):
-    import gin
-
-    from zeroflax.config import ConfigError
-    # Importing these registers their configurables with gin.
-    import zeroflax.train  # noqa: F401
-    import zeroflax.models.gpt  # noqa: F401
-
-    for path in files:
-        if not os.path.isfile(path):
-            raise ConfigError("--gin_file", f"{path} does not exist")
-    for flag, text, where in ([("--gin_file", open(path).read(), path) for path in files]
-                              + [("--gin_param", binding, repr(binding)) for binding in bindings]):
-        try:
-            imports = _gin_imports(text, where, set())
-        except _MissingInclude as error:
-            raise ConfigError(flag, str(error), "gin includes are relative to the directory zeroflax runs in") from None
-        if imports:
-            raise ConfigError(flag, f"{imports[0]}: gin import statements are refused (an import runs the module's "
-                              "code; a gin file is configuration)", "zeroflax's configurables need no import: "
-                              "remove the line, or import the module in your own Python code")
-    # Files, then bindings (gin's own order), parsed apart so an error names the flag at fault.
-    for flag, args, where in (("--gin_file", (files, None), files), ("--gin_param", (None, bindings), bindings)):
-        try:
-            gin.parse_config_files_and_bindings(*args, finalize_config=flag == "--gin_param")
-        except (ValueError, SyntaxError, tokenize.TokenError) as error:  # malformed gin, unknown names
-            first = " ".join(str(error).split("\n")[0:1])
-            located = any(os.path.basename(str(w)) in first for w in where)
-            raise ConfigError(flag, f"gin: {first}" + ("" if located else f" (in {', '.join(map(str, where))})")) from error
-
-
-def _gin_imports(text: str, where: str, seen: set) -> list[str]:
-    """The `import` statements of gin text and of the files it includes ('where: import module'); an
-    include of a missing file raises _MissingInclude. Text gin cannot parse yields none here: gin's own
-    parse then reports the error."""
-    import gin
-    from gin import config_parser
-
-    found = []
-    try:
-        for statement in config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True)):
-            if isinstance(statement, config_parser.ImportStatement):
-                found.append(f"{where}: import {statement.module}")
-            elif isinstance(statement, config_parser.IncludeStatement) and statement.filename not in seen:
-                seen.add(statement.filename)
-                if not os.path.isfile(statement.filename):  # gin itself fails on it with a TypeError
-                    raise _MissingInclude(f"{where}: include '{statement.filename}': no such file")
-                with open(statement.filename) as f:
-                    found += _gin_imports(f.read(), statement.filename, seen)
-    except _MissingInclude:
-        raise
-    except Exception:  # noqa: BLE001 (malformed gin: the real parse below says what is wrong)
-        return found
-    return found
-
-
-class _MissingInclude(Exception):
-    """A gin `include` that names no file (gin itself fails on it with a TypeError)."""
 
 
 def cmd_train(args) -> int:
     if args.cpu_devices < 1:
         from zeroflax.config import ConfigError
         raise ConfigError("--cpu_devices", f"must be at least 1, got {args.cpu_devices}")
-    _force_cpu_devices(env_int(DEVICES_ENV, 1, args.cpu_devices))
+    force_cpu_devices(env_int(DEVICES_ENV, 1, args.cpu_devices))
     from zeroflax.distributed import maybe_initialize
-    _parse_gin(args.gin_file, args.gin_param)
+    parse_gin(args.gin_file, args.gin_param)
     maybe_initialize()
     from zeroflax.config import Config
     from zeroflax.models.gpt import GPTConfig
@@ -191,10 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--port", type=int, default=None)
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(run=cmd_launch)
-    estimate.add_parser(sub)
-    plan.add_parser(sub)
+    estimate_command.add_parser(sub)
+    plan_command.add_parser(sub)
     export.add_parser(sub)
-    explain.add_parser(sub)
+    explain_command.add_parser(sub)
     return parser
 
 

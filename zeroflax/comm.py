@@ -25,7 +25,6 @@ compute copy, S those of the streamed (offload_param) shards, K the optimizer st
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import math
@@ -34,78 +33,14 @@ import re
 import jax
 import numpy as np
 
+from zeroflax.hlo import (ARRAY_TYPE, DTYPE_BYTES, OP_NAME, array_bytes, computation_multipliers, first_replica_group,
+                          scope_weight, source_target_pairs, split_computations)
 from zeroflax.sharding.mesh import TENSOR_AXIS
 
-DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
-_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[^=]*?\})\}")
-
-
-def _array_bytes(type_text: str) -> list[int]:
-    sizes = []
-    for dtype, dims in _ARRAY.findall(type_text):
-        if dtype in DTYPE_BYTES:
-            count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-            sizes.append(count * DTYPE_BYTES[dtype])
-    return sizes
-
-
-_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-_IOTA_FULL = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-
-
-def _pairs(attrs: str) -> list[tuple[int, int]]:
-    found = _PAIRS.search(attrs)
-    if not found:
-        return []
-    return [tuple(int(v) for v in pair.split(",")) for pair in re.findall(r"\{(\d+,\d+)\}", found.group(1))]
-
-
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-
-
-def _first_group(attrs: str, num_devices: int) -> list[int]:
-    """Device (partition) ids of the first replica group; all devices when the groups are implicit.
-
-    Three spellings: listed groups `{{0,2},{1,3}}`; iota `[2,2]<=[4]` (optionally transposed, `T(1,0)`);
-    and a device mesh with the axes the groups span, `mesh['axis_0'=2,'axis_1'=2] {'axis_0'}` (ids
-    row-major over that mesh; a group varies along the named axes)."""
-    iota = _IOTA_FULL.search(attrs)
-    if iota:
-        shape = [int(v) for v in iota.group(1).split(",")]
-        dims = [int(v) for v in iota.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(v) for v in iota.group(3).split(",")])
-        return [int(v) for v in ids.reshape(-1, shape[-1])[0]]  # groups of shape[-1] devices
-    on_mesh = _GROUPS_MESH.search(attrs)
-    if on_mesh:
-        axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", on_mesh.group(1))
-        spanned = set(re.findall(r"'([^']+)'", on_mesh.group(2)))
-        if spanned - {name for name, _ in axes} or re.search(r"[:(]", on_mesh.group(2)):
-            raise ValueError(f"replica groups over mesh axes the parser does not know: {on_mesh.group(0)}")
-        ids = np.arange(math.prod(int(size) for _, size in axes)).reshape([int(size) for _, size in axes])
-        index = tuple(slice(None) if name in spanned else 0 for name, _ in axes)
-        return [int(v) for v in ids[index].ravel()]
-    listed = _GROUPS_LIST.search(attrs)
-    if listed:
-        first = listed.group(1).split("}")[0].strip("{ ")
-        return [int(x) for x in first.split(",") if x.strip()]
-    return list(range(num_devices))
 
 
 def mesh_axes_of(ids: list[int], mesh_shape: dict) -> tuple[str, ...]:
@@ -144,76 +79,6 @@ class Collective:
     dims: tuple = ()  # the shape of its (last) result
 
 
-def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-    """({computation name: its instruction lines, in schedule order}, the ENTRY computation's name)."""
-    body: dict[str, list[str]] = {}
-    entry = None
-    current = None
-    for line in hlo_text.splitlines():
-        match = _COMPUTATION.match(line)
-        if match and "=" not in line.split("(")[0]:
-            current = match.group(1)
-            body[current] = []
-            if line.lstrip().startswith("ENTRY"):
-                entry = current
-            continue
-        if current is not None:
-            if line.strip() == "}":
-                current = None
-            else:
-                body[current].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return body, entry
-
-
-def computation_multipliers(body: dict, entry: str) -> tuple[dict, bool]:
-    """({computation: how many times it runs per step}, whether a loop without a known trip count was
-    met (counted once)): the sum over its call sites, loop bodies times their trip counts."""
-    multiplier: dict[str, int] = collections.defaultdict(int)
-    unknown_trip = False
-
-    def visit(name: str, times: int, depth: int = 0):
-        nonlocal unknown_trip
-        if depth > 64 or name not in body:
-            return
-        multiplier[name] += times
-        for line in body[name]:
-            callees = _CALLEE.findall(line)
-            branches = _BRANCHES.search(line)
-            if branches:
-                callees += [("branch", b.strip().lstrip("%")) for b in branches.group(1).split(",") if b.strip()]
-            if not callees:
-                continue
-            is_while = re.search(r"\swhile\(", line) is not None
-            trip = 1
-            if is_while:
-                found = _TRIP.search(line)
-                if found:
-                    trip = int(found.group(1))
-                else:
-                    unknown_trip = True
-            for role, callee in callees:
-                if role == "to_apply":  # reduction regions hold no collectives
-                    continue
-                visit(callee, times * (trip if role == "body" else 1), depth + 1)
-
-    visit(entry, 1)
-    return multiplier, unknown_trip
-
-
-def scope_weight(attrs: str, weights: dict) -> float:
-    """The share of its loop's iterations in which an instruction runs: the weight of the innermost
-    named scope of `weights` in its op_name metadata (pipeline tick branches), else 1."""
-    op_name = _OP_NAME.search(attrs)
-    if op_name and weights:
-        # The innermost scope wins: the scopes nest in the order the op name lists them.
-        scoped = [(op_name.group(1).rfind(scope), w) for scope, w in weights.items() if scope in op_name.group(1)]
-        if scoped:
-            return max(scoped)[1]
-    return 1
-
-
 def parse_collectives(hlo_text: str, num_devices: int, mesh_shape: dict | None = None,
                       weights: dict | None = None) -> tuple[list[Collective], bool]:
     """All collectives in an HLO module with their per-step bytes; second value: any unknown trip count.
@@ -234,19 +99,19 @@ def parse_collectives(hlo_text: str, num_devices: int, mesh_shape: dict | None =
             kind = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
             if kind not in COLLECTIVES:
                 continue
-            sizes = _array_bytes(result_type)
-            dtypes = [d for d, _ in _ARRAY.findall(result_type) if d in DTYPE_BYTES]
+            sizes = array_bytes(result_type)
+            dtypes = [d for d, _ in ARRAY_TYPE.findall(result_type) if d in DTYPE_BYTES]
             # Async "-start" results are tuples (operands..., outputs...): the output is the last array.
             result_bytes = sizes[-1] if opcode.endswith("-start") else sum(sizes)
             dtype = (dtypes[-1] if opcode.endswith("-start") else "/".join(sorted(set(dtypes)))) if dtypes else "?"
-            group = len(_first_group(rest, num_devices))
+            group = len(first_replica_group(rest, num_devices))
             count = times * scope_weight(rest, weights)
-            pairs = _pairs(rest) if kind == "collective-permute" else []
-            ids = sorted({i for pair in pairs[:1] for i in pair}) if pairs else _first_group(rest, num_devices)
+            pairs = source_target_pairs(rest) if kind == "collective-permute" else []
+            ids = sorted({i for pair in pairs[:1] for i in pair}) if pairs else first_replica_group(rest, num_devices)
             axes = mesh_axes_of(ids, mesh_shape) if mesh_shape else ()
             senders = len(pairs) / num_devices if pairs else 1.0
-            shapes = _ARRAY.findall(result_type)
-            op_name = _OP_NAME.search(rest)
+            shapes = ARRAY_TYPE.findall(result_type)
+            op_name = OP_NAME.search(rest)
             collectives.append(Collective(kind, name, dtype, result_bytes, group, count,
                                           count * _per_device_bytes(kind, result_bytes, group, senders), axes,
                                           _NAME.match(line).group(1), op_name.group(1) if op_name else "",

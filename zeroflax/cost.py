@@ -22,7 +22,8 @@ import dataclasses
 import math
 import re
 
-from zeroflax.comm import computation_multipliers, megatron_all_reduces, scope_weight, split_computations
+from zeroflax.comm import megatron_all_reduces
+from zeroflax.hlo import computation_multipliers, scope_weight, split_computations
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+?)\s+([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"^[a-z][a-z0-9]*\[([0-9,]*)\]")
@@ -114,9 +115,9 @@ def gpt_matmul_flops(gpt, seq: int, tokens: float, remat: str, pipe: int = 1) ->
 def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: int, accum: int, seq: int,
               global_batch: int) -> Cost:
     """A lower bound of the compiled step's cost per device (module docstring), from the placement
-    (`estimate._placements`) and the GPT's shapes."""
+    (`estimate.leaf_placements`) and the GPT's shapes."""
     from zeroflax.config import DEFAULT_LOGICAL_RULES
-    from zeroflax.estimate import MASTER_BYTES, PRECISION_BYTES, _placements
+    from zeroflax.estimate import MASTER_BYTES, PRECISION_BYTES, leaf_placements
 
     gpt = spec.gpt
     mesh = setup.mesh
@@ -127,7 +128,7 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
     param_off = offload == "optimizer+param"
     comm = 0.0
     grads_to_host = copy_elements = streamed = 0.0
-    for leaf, local, partitioned in _placements(spec, setup):
+    for leaf, local, partitioned in leaf_placements(spec, setup):
         if not partitioned:  # replicated over data: its gradient is all-reduced once per step
             comm += 2 * MASTER_BYTES * local * share
         elif stage == 0:

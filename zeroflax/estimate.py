@@ -33,9 +33,7 @@ device memory, so both include the host's share there. docs/plan.md has the meas
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import types
 from typing import Any
@@ -180,7 +178,7 @@ class Setup:
         return self.mesh["data"]
 
 
-def _placements(spec: ModelSpec, setup: Setup):
+def leaf_placements(spec: ModelSpec, setup: Setup):
     """(leaf, elements per device before ZeRO, partitioned over data?) per leaf, by the policy's rules."""
     from zeroflax.config import DEFAULT_LOGICAL_RULES
     from zeroflax.sharding.policy import choose_zero_dim, logical_to_mesh_axes
@@ -237,7 +235,7 @@ def zeroflax_states(spec: ModelSpec, setup: Setup, stage: int, offload: str = "n
     optimizer_off = offload in ("optimizer", "optimizer+param")
     param_off = offload == "optimizer+param"
     dev_p = dev_o = copy = host_p = host_o = grads = 0.0
-    for leaf, local, partitioned in _placements(spec, setup):
+    for leaf, local, partitioned in leaf_placements(spec, setup):
         shard = local / n if partitioned else local
         master = MASTER_BYTES * (shard if (stage == 3 or optimizer_off) else local)
         opt = spec.opt_bytes * (shard if stage >= 1 else local)
@@ -319,7 +317,7 @@ def gpt_peak(spec: ModelSpec, setup: Setup, states: States, train: dict) -> floa
         return None
     tensor = setup.mesh.get("tensor", 1)
     gpt, remat, micro, accum = spec.gpt, train["remat"], train["micro_batch"], train["accum"]
-    full = sum(MASTER_BYTES * local for _, local, _ in _placements(spec, setup))
+    full = sum(MASTER_BYTES * local for _, local, _ in leaf_placements(spec, setup))
     shard = states.grad_buffer if states.stage >= 2 else zeroflax_states(spec, setup, 2).grad_buffer
     grads = full if states.stage <= 2 else shard
     if accum > 1:
@@ -413,104 +411,3 @@ SOURCES = {
     "peak": "gin configs (GPT): arguments + gradient buffer + activations + gathered layers + update temporaries, "
             "an analytic model of memory_analysis' argument + output + temp - alias",
 }
-
-
-# --------------------------------------------------------------------------- output
-def format_table(result: dict, unit: str = "auto") -> str:
-    rows = result["rows"]
-    values = [v for r in rows for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-              and k not in ("stage",)]
-    if unit == "auto":
-        unit = "GiB" if max(values, default=0) >= 2**30 else "MiB"
-    scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[unit]
-    show = lambda v: f"{'-':>10}" if v is None else f"{v / scale:10.2f}"
-    mesh = " x ".join(f"{k} {v}" for k, v in result["mesh"].items())
-    lines = [f"zeroflax estimate: {result['model']}, largest layer {result['largest_layer_params']:,} parameters; "
-             f"{result['devices_per_node']} devices per node x {result['nodes']} node(s); mesh {mesh}; "
-             f"{result['precision']} compute"
-             + (f"; persistence threshold {result['persistence_threshold']:,}" if result.get("train") else
-                " (a bare count: every parameter partitioned)")]
-    train = result.get("train")
-    if train:
-        lines.append(f"micro-batch {train['micro_batch']} x {train['accum']} accumulation steps, sequence "
-                     f"{train['seq']}, remat '{train['remat']}'")
-    lines += ["",
-              f"{'':24}| {'DeepSpeed (estimator)':^21} | {'zeroflax (placement), per device':^43} | {'host':^21}",
-              f"{'stage  offload':<24}| {'GPU':>10}{'CPU/node':>11} | {'at rest':>10}{'+ grads':>11}"
-              f"{'peak':>11}{'arguments':>11} | {'per dev':>10}{'per node':>11}   ({unit})"]
-    for r in rows:
-        peak = show(r["peak"]) if r.get("refused") is None else f"{'refused':>10}"
-        lines.append(f"{r['stage']:<7}{r['offload']:<17}| {show(r['deepspeed_gpu'])} {show(r['deepspeed_cpu_per_node'])} | "
-                     f"{show(r['device_at_rest'])} {show(r['device_with_grads'])} {peak} {show(r.get('device_arguments'))} | "
-                     f"{show(r['host_per_device'])} {show(r['host_per_node'])}")
-    lines += ["",
-              "DeepSpeed: its estimate_zero2/zero3_model_states_mem_needs formulas (stages 2 and 3 only; zero_init="
-              f"{result['zero_init']}, additional_buffer_factor={result['buffer_factor']}): GPU = model states with "
-              "gradients (and one gathered largest layer at stage 3) per GPU; CPU per node.",
-              "zeroflax: its sharding policy leaf by leaf. at rest = parameters + optimizer state (+ compute copy "
-              "under offload) in device memory; + grads = with the fp32 gradient buffer (the quantity DeepSpeed's GPU "
-              "column describes); host = master weights + optimizer state in host memory under offload.",
-              "arguments (gin configs) = device states + this device's batch rows: the step's arguments in device "
-              "memory. With the host states added ('arguments' in --json) it is what XLA:CPU's "
-              "compiled.memory_analysis().argument_size_in_bytes counts (tests/test_estimate.py: within 0.1%).",
-              "peak (a GPT from gin; no pipe axis) = device arguments + gradients + activations kept for the "
-              "backward pass + the layer being recomputed: a model of memory_analysis' argument + output + temp - "
-              "alias less the host states ('peak_with_host' in --json is compared; measured error -10% to +28%, docs/plan.md)."]
-    return "\n".join(lines)
-
-
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("estimate", help="memory per device and per host for ZeRO stages 0-3 with and "
-                                               "without offload: DeepSpeed's formulas beside zeroflax's placement",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable): the GPT of zeroflax train")
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
-    p.add_argument("--params", type=float, default=None, help="a bare parameter count instead of a gin config, e.g. 1.3e9")
-    p.add_argument("--largest_layer_params", type=float, default=None,
-                   help="with --params: the largest layer's parameters (DeepSpeed's ZeRO-3 formula; default 0)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="with --params: the compute dtype (default bf16); a gin config has Config.precision")
-    p.add_argument("--devices", type=int, default=8, help="devices per node (default 8)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--no_zero_init", action="store_true", help="DeepSpeed's zero_init=False (stage 3 CPU figure)")
-    p.add_argument("--buffer_factor", type=float, default=1.5, help="DeepSpeed's additional_buffer_factor (default 1.5)")
-    p.add_argument("--unit", choices=("auto", "GiB", "MiB", "KiB", "B"), default="auto")
-    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table")
-    p.set_defaults(run=cmd_estimate)
-
-
-def cmd_estimate(args) -> int:
-    for flag, value in (("--devices", args.devices), ("--nodes", args.nodes)):
-        if value < 1:
-            raise ConfigError(flag, f"must be >= 1, got {value}")
-    if not args.buffer_factor > 0:
-        raise ConfigError("--buffer_factor", f"must be > 0, got {args.buffer_factor}")
-    devices = args.devices * args.nodes
-    if args.params is not None:
-        if args.gin_file or args.gin_param:
-            raise ConfigError("--params", "give either --params or a gin config (--gin_file/--gin_param), not both")
-        spec, config = spec_from_params(args.params, args.largest_layer_params), None
-        setup = Setup({"data": devices, "tensor": 1}, args.devices, args.precision or "bf16")
-        train = None
-    else:
-        for flag, value in (("--largest_layer_params", args.largest_layer_params), ("--precision", args.precision)):
-            if value is not None:
-                raise ConfigError(flag, "only goes with --params (a gin config's GPT and Config have their own)")
-        from zeroflax.cli import _parse_gin
-        _parse_gin(args.gin_file, args.gin_param)
-        from zeroflax.config import Config
-        from zeroflax.models.gpt import GPTConfig
-        from zeroflax.train import TrainConfig, make_optimizer
-        config, gpt, tc = Config(), GPTConfig(), TrainConfig()
-        spec = spec_from_gpt(gpt, make_optimizer(tc))
-        setup = Setup(config.mesh.resolve(devices), args.devices, config.precision, config.persistence_threshold,
-                      config.logical_rules)
-        train = dict(micro_batch=config.micro_batch_size, accum=config.grad_accum_steps, seq=tc.seq_len,
-                     remat=config.remat)
-    result = estimate(spec, setup, args.nodes, zero_init=not args.no_zero_init, buffer_factor=args.buffer_factor,
-                      train=train, config=config)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        print(format_table(result, args.unit))
-    return 0

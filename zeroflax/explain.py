@@ -34,16 +34,15 @@ it by XLA's packing slack (regions free at that moment, needed at others).
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import re
-import tempfile
 
 import jax
 import numpy as np
 
-from zeroflax.comm import _OP_NAME
+from zeroflax.buffer_assignment import Value, charge_regions, compile_with_buffers, peak_live
+from zeroflax.hlo import entry_arguments
 from zeroflax.sharding.policy import shard_bytes
 from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE, GROUP_NAME, LAYERS_SCOPE, SCOPE_END, UPDATE_SCOPE
 
@@ -55,155 +54,13 @@ OUTSIDE, STEP, BATCH_ROW = "(outside layers)", "(step)", "(batch)"
 ONE_AT_A_TIME = " (one layer at a time)"
 
 
-# ------------------------------------------------------------------------ XLA's buffer assignment
-@dataclasses.dataclass(frozen=True)
-class Value:
-    """One HLO value XLA placed in an allocation: bytes [offset, offset + size), live [start, end]."""
-    id: int
-    name: str
-    size: int
-    offset: int
-    dims: tuple | None  # None for a tuple
-    start: int = -1  # -1: no live range in the dump
-    end: int = -1
-    opcode: str = ""
-    op_name: str = ""
-
-
-@dataclasses.dataclass
-class Allocation:
-    index: int
-    size: int
-    kind: str  # the dump's description: "parameter 3, ...", "preallocated-temp", "thread-local", ...
-    host: bool
-    values: list
-
-    @property
-    def working(self) -> bool:
-        """XLA's own buffers for the step: its temporaries and the outputs not aliased to arguments."""
-        return not any(word in self.kind for word in ("parameter", "thread-local", "constant"))
-
-
-_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*):$")
-_ASSIGNED = re.compile(r"^ value: <(\d+) (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
-_DIMS = re.compile(r"^\w+\[([\d,]*)\]")
-_DEFINED = re.compile(r"^<(\d+) \S+ @\d+>$")
-_INSTRUCTION = re.compile(r"from instruction: %\S+ = (?:\(.*?\)|\S+) ([\w\-]+)\(")
-_RANGE = re.compile(r"^\s+(\S+):(\d+)-(\d+)$")
-
-
-def parse_buffer_dump(assignment: str, values: str, live_range: str) -> list[Allocation]:
-    """The allocations of XLA's `*-buffer-assignment.txt`, their values completed with their defining
-    operation (`*-buffer-assignment-values.txt`) and live range (`*-live-range.txt`)."""
-    defined, current = {}, None
-    for line in values.splitlines():
-        match = _DEFINED.match(line)
-        if match:
-            current = int(match.group(1))
-        elif current is not None and line.lstrip().startswith("from instruction:"):
-            opcode, op_name = _INSTRUCTION.search(line), _OP_NAME.search(line)
-            defined[current] = (opcode.group(1) if opcode else "", op_name.group(1) if op_name else "")
-    ranges, in_ranges = {}, False
-    for line in live_range.splitlines():
-        if line.strip() == "BufferLiveRange:":
-            in_ranges = True
-        elif in_ranges:
-            match = _RANGE.match(line)
-            if not match:
-                break
-            ranges[match.group(1)] = (int(match.group(2)), int(match.group(3)))
-    allocations = []
-    for line in assignment.splitlines():
-        if line.startswith("Total bytes used"):
-            break
-        match = _ALLOCATION.match(line)
-        if match:
-            kind = match.group(3)
-            color = re.search(r"color (\d+)", kind)
-            allocations.append(Allocation(int(match.group(1)), int(match.group(2)), kind,
-                                          bool(color and color.group(1) != "0"), []))
-            continue
-        match = _ASSIGNED.match(line)
-        if match and allocations:
-            ident, name, size, offset, shape = match.groups()
-            dims = _DIMS.match(shape)
-            start, end = ranges.get(name if "{" in name else name + "{}", (-1, -1))
-            opcode, op_name = defined.get(int(ident), ("", ""))
-            allocations[-1].values.append(Value(
-                int(ident), name, int(size), int(offset),
-                tuple(int(d) for d in dims.group(1).split(",") if d) if dims else None,
-                start, end, opcode, op_name))
-    return allocations
-
-
-def parse_sequence(live_range: str) -> dict[str, int]:
-    """{instruction: position} in XLA's schedule of the whole step, loop bodies inlined where they run
-    (the `InstructionSequence` of `*-live-range.txt`)."""
-    found = re.search(r"InstructionSequence:\n((?:\s+\d+:\S+\n)+)", live_range)
-    return {name: int(index) for index, name in re.findall(r"(\d+):(\S+)", found.group(1))} if found else {}
-
-
-def compile_with_buffers(lowered):
-    """(compiled, allocations, schedule): compile `lowered` with XLA's buffer-assignment dump switched on
-    (one more compilation than the step's own), and read the dump."""
-    with tempfile.TemporaryDirectory(prefix="zeroflax-explain-") as directory:
-        compiled = lowered.compile({"xla_dump_to": directory, "xla_dump_hlo_as_text": True})
-
-        def read(suffix: str) -> str:
-            paths = sorted(glob.glob(os.path.join(directory, f"*after_optimizations{suffix}")))
-            if not paths:
-                raise RuntimeError(f"XLA wrote no '*after_optimizations{suffix}' dump in {directory}: "
-                                   "this jax/XLA version dumps buffer assignments differently")
-            with open(paths[-1]) as f:
-                return f.read()
-
-        live_range = read("-live-range.txt")
-        allocations = parse_buffer_dump(read("-buffer-assignment.txt"), read("-buffer-assignment-values.txt"),
-                                        live_range)
-    return compiled, allocations, parse_sequence(live_range)
-
-
-def charge_regions(allocation: Allocation, moment: int) -> dict[int, int]:
-    """{value id: bytes charged}: each byte of the allocation goes to the value occupying it at `moment`,
-    else to the one occupying it longest (ties: the larger, then the lower id). Bytes no value occupies
-    are not charged."""
-    key = lambda v: (v.start <= moment <= v.end, v.end - v.start, v.size, -v.id)
-    bounds = sorted({v.offset for v in allocation.values} | {v.offset + v.size for v in allocation.values})
-    starting: dict = {}
-    for v in allocation.values:
-        starting.setdefault(v.offset, []).append(v)
-    charged, active = {}, []
-    for low, high in zip(bounds, bounds[1:]):
-        active = [v for v in active if v.offset + v.size > low] + starting.get(low, [])
-        if active:
-            owner = max(active, key=key)
-            charged[owner.id] = charged.get(owner.id, 0) + high - low
-    return charged
-
-
-def peak_live(allocations: list[Allocation]) -> tuple[int, int]:
-    """(bytes, moment): the most bytes of XLA's working buffers live at once, and the first moment
-    of XLA's live-range clock they are (values without a live range count throughout)."""
-    values = [v for a in allocations if a.working for v in a.values]
-    if not values:
-        return 0, -1
-    horizon = max(v.end for v in values) + 2
-    delta = np.zeros(horizon + 1, np.int64)
-    for v in values:
-        start, end = (v.start, v.end) if v.start >= 0 else (0, horizon - 1)
-        delta[start] += v.size
-        delta[end + 1] -= v.size
-    live = np.cumsum(delta)
-    return int(live.max()), int(live.argmax())
-
-
 # ------------------------------------------------------------------------------- attribution
 def _path(key_path) -> str:
     return "/".join(str(k.key) for k in key_path if isinstance(k, jax.tree_util.DictKey))
 
 
 @dataclasses.dataclass
-class _Owners:
+class Owners:
     """Which row owns what: parameter paths, stacks and groups of one engine."""
     rows: list  # rows in display order
     by_path: dict  # parameter path -> [(row, fraction)]
@@ -225,7 +82,7 @@ def _owner(path: str, groups: list) -> list:
     return [(path.split("/")[0], 1.0)] if path else [(STEP, 1.0)]
 
 
-def _owners(engine) -> _Owners:
+def _owners(engine) -> Owners:
     plan = engine.plan
     placements = jax.tree.leaves(plan.placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
     paths = [_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(engine.abstract_params)[0]]
@@ -260,7 +117,7 @@ def _owners(engine) -> _Owners:
     rows += [f"{prefix}{ONE_AT_A_TIME}" for prefix in stacks.values()] + [OUTSIDE, STEP, BATCH_ROW]
     # A shape that only one set of rows' parameters take (the step's gradients, updates) names those rows.
     by_dims = {dims: found[0] for dims, found in by_dims.items() if all(f == found[0] for f in found)}
-    return _Owners(rows, by_path, stacks, groups, grad_dims, by_dims)
+    return Owners(rows, by_path, stacks, groups, grad_dims, by_dims)
 
 
 def _device_shape(engine, placement, with_data: bool) -> tuple:
@@ -271,7 +128,7 @@ def _device_shape(engine, placement, with_data: bool) -> tuple:
 _LAYERS = re.compile(re.escape(LAYERS_SCOPE) + r"(\d+)" + re.escape(SCOPE_END))
 
 
-def value_rows(value: Value, owners: _Owners) -> list:
+def value_rows(value: Value, owners: Owners) -> list:
     """[(row, fraction)] that own a working value (module docstring)."""
     op = value.op_name
     groups = GROUP_NAME.findall(op)
@@ -293,7 +150,7 @@ def value_rows(value: Value, owners: _Owners) -> list:
     return owners.by_dims.get(value.dims) or [(STEP, 1.0)]
 
 
-def value_category(value: Value, owners: _Owners, backward_start: int) -> str:
+def value_category(value: Value, owners: Owners, backward_start: int) -> str:
     """The category of a working value (module docstring)."""
     op = value.op_name
     in_model = "jvp(" in op or "transpose(" in op
@@ -377,18 +234,6 @@ class LayerMemory:
         return "\n".join(lines)
 
 
-_ARGUMENT = re.compile(r'=\s*\S+\s+parameter\(\d+\).*?op_name="([^"]*)"')
-
-
-def entry_arguments(hlo_text: str) -> set:
-    """The names jax gives the compiled step's arguments ("state.params['w']", "batch['x']"), read
-    from its entry parameters' metadata; empty where a jax version writes none."""
-    from zeroflax.comm import split_computations
-    body, entry = split_computations(hlo_text)
-    return {match.group(1).replace("\\'", "'") for line in body.get(entry, []) for match in [_ARGUMENT.search(line)]
-            if match}
-
-
 def _cells(report: LayerMemory):
     for cells in report.bytes.values():
         yield from cells.items()
@@ -455,7 +300,7 @@ def layer_report(engine, state, batch, phase: str | None = None) -> LayerMemory:
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     """One collective of the step, at its place in the compiled schedule."""
-    moment: int  # position in XLA's schedule of the whole step (`parse_sequence`)
+    moment: int  # position in XLA's schedule of the whole step (`buffer_assignment.parse_sequence`)
     phase: str
     kind: str
     row: str  # the layer (or part of the step) whose bytes it moves
@@ -553,65 +398,6 @@ def plot_layers(reports: list, path: str, title: str = "") -> None:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.08 + 0.02 * (len(handles) > 8), 1, 1))
     fig.savefig(path, dpi=120)
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-def add_parser(subparsers) -> None:
-    import argparse
-    p = subparsers.add_parser(
-        "explain", help="where the memory goes: every byte of the GPT's compiled step per layer and category, "
-                        "per ZeRO stage (compile-only), as a table and a figure",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
-    p.add_argument("--devices", type=int, default=8, help="devices (simulated CPU devices here; default 8)")
-    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages, one panel each (default 0,1,2,3)")
-    p.add_argument("--png", default=None, help="write the figure here (needs matplotlib)")
-    p.add_argument("--json", default=None, help="write the reports here as JSON")
-    p.set_defaults(run=cmd_explain)
-
-
-def cmd_explain(args) -> int:
-    from zeroflax.cli import _force_cpu_devices, _parse_gin
-    from zeroflax.config import ConfigError
-    from zeroflax.plan import _int_list
-
-    stages = _int_list(args.stages, "--stages")
-    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
-        raise ConfigError("--stages", f"ZeRO stages are 0-3, got {args.stages!r}")
-    if args.devices < 1:
-        raise ConfigError("--devices", f"must be >= 1, got {args.devices}")
-    _force_cpu_devices(args.devices)
-    _parse_gin(args.gin_file, args.gin_param)
-    from zeroflax.config import Config
-    from zeroflax.models.gpt import GPTConfig
-    from zeroflax.plan import abstract_gpt_engine
-    from zeroflax.train import TrainConfig, make_optimizer
-
-    base, gpt, tc = Config(), GPTConfig(), TrainConfig()
-    reports = []
-    for stage in stages:
-        try:
-            engine, state, batch = abstract_gpt_engine(gpt, base.replace(zero_stage=stage), make_optimizer(tc),
-                                                       tc.seq_len)
-        except ConfigError as error:  # e.g. 1-bit Adam at stage 3: the other stages still say something
-            if len(stages) == 1:
-                raise
-            print(f"ZeRO stage {stage}: refused by this configuration: {str(error).splitlines()[0]}\n", flush=True)
-            continue
-        reports.append(engine.memory_report(state, batch, by="layer"))
-        print(reports[-1], "\n", flush=True)
-    if not reports:
-        raise ConfigError("--stages", f"this configuration refuses every stage in {args.stages!r}")
-    if args.png:
-        plot_layers(reports, args.png, f"GPT ({gpt.num_layers} layers, d_model {gpt.d_model}), "
-                                       f"{args.devices} devices: memory per device by layer")
-        print(f"wrote {args.png}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_dict() for r in reports], f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
 
 
 def plot_timeline(timelines: dict, path: str, title: str = "") -> None:

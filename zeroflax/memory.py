@@ -25,6 +25,7 @@ import re
 import jax
 import numpy as np
 
+from zeroflax.hlo import ARRAY_TYPE, DTYPE_BYTES, array_bytes, split_computations
 from zeroflax.sharding.scopes import GROUP_NAME
 from zeroflax.sharding.policy import shard_bytes
 
@@ -263,9 +264,8 @@ _SAME_WEIGHT = {"fusion", "convert", "bitcast-convert", "copy", "transpose", "re
 
 
 def _elements(type_text: str) -> int:
-    from zeroflax.comm import _ARRAY
     return sum(int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-               for _, dims in _ARRAY.findall(type_text))
+               for _, dims in ARRAY_TYPE.findall(type_text))
 
 
 def gathered_weights_at_peak(hlo_text: str, compute_bytes: int) -> tuple[int, dict, int]:
@@ -280,8 +280,6 @@ def gathered_weights_at_peak(hlo_text: str, compute_bytes: int) -> tuple[int, di
     and widens its operands to fp32; GPUs do not) are counted apart, as the third value. An estimate
     from the schedule's order, not XLA's buffer assignment.
     """
-    from zeroflax.comm import DTYPE_BYTES, _ARRAY, _array_bytes, split_computations
-
     best, best_groups, best_wide = 0, {}, 0
     for lines in split_computations(hlo_text)[0].values():
         order, size, elements, owner, source, last, wide = [], {}, {}, {}, {}, {}, set()
@@ -298,7 +296,7 @@ def gathered_weights_at_peak(hlo_text: str, compute_bytes: int) -> tuple[int, di
                 continue
             order.append((index, name))
             last[name] = index
-            sizes = _array_bytes(type_text)
+            sizes = array_bytes(type_text)
             size[name] = sizes[-1] if opcode.endswith("-start") else sum(sizes)  # async: the output
             elements[name] = _elements(type_text.rsplit("(", 1)[0] if not opcode.endswith("-start")
                                        else type_text.rsplit(",", 1)[-1])
@@ -311,7 +309,7 @@ def gathered_weights_at_peak(hlo_text: str, compute_bytes: int) -> tuple[int, di
                     # The same element count, up to qwZ's padding of the last block of each shard.
                     if src in owner and abs(elements[name] - elements[src]) <= 0.02 * elements[src]:
                         owner[name] = owner[src]
-                        dtypes = [d for d, _ in _ARRAY.findall(type_text) if d in DTYPE_BYTES]
+                        dtypes = [d for d, _ in ARRAY_TYPE.findall(type_text) if d in DTYPE_BYTES]
                         if dtypes and DTYPE_BYTES[dtypes[0]] > compute_bytes:
                             wide.add(name)
                         break

@@ -26,13 +26,10 @@ The winner is written as a gin file that includes the input gin files and binds 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import json
 import math
 import os
-import re
 import sys
 import time
 import warnings
@@ -45,31 +42,6 @@ from zeroflax.config import ConfigError
 # on the tests' 2-layer GPT (docs/plan.md, tests/test_estimate.py).
 PEAK_MARGIN = 0.4
 OFFLOADS = ("none", "optimizer", "optimizer+param")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(text: str, flag: str) -> float:
-    """'80GB' (powers of 1000), '80GiB' (powers of 1024), or a plain number of bytes."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not found or found.group(2).upper() not in _UNITS:
-        raise ConfigError(flag, f"cannot read {text!r} as a size", "write e.g. 80GB, 80GiB or 16MiB")
-    value = float(found.group(1)) * _UNITS[found.group(2).upper()]
-    if value <= 0:
-        raise ConfigError(flag, f"must be positive, got {text!r}")
-    return value
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(flag, f"must be a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise ConfigError(flag, f"must list integers >= 0, got {text!r}")
-    return values
-
-
 @dataclasses.dataclass
 class Candidate:
     pipe: int
@@ -282,12 +254,12 @@ def search(planner: Planner, space: Space, budget: float, rates, *, host_budget:
         if c.status == "invalid":
             continue
         if host_budget is not None and c.host * planner.devices > host_budget:
-            c.status, c.reason = "pruned", (f"memory: host states {_fmt(c.host * planner.devices)} > "
-                                             f"--host-memory {_fmt(host_budget)}")
+            c.status, c.reason = "pruned", (f"memory: host states {format_bytes(c.host * planner.devices)} > "
+                                             f"--host-memory {format_bytes(host_budget)}")
         elif c.arguments > budget:
-            c.status, c.reason = "pruned", f"memory: arguments {_fmt(c.arguments)} > budget (peak >= arguments)"
+            c.status, c.reason = "pruned", f"memory: arguments {format_bytes(c.arguments)} > budget (peak >= arguments)"
         elif c.peak_model is not None and c.peak_model > budget * (1 + PEAK_MARGIN):
-            c.status, c.reason = "pruned", (f"memory: modeled peak {_fmt(c.peak_model)} > budget x "
+            c.status, c.reason = "pruned", (f"memory: modeled peak {format_bytes(c.peak_model)} > budget x "
                                              f"{1 + PEAK_MARGIN:g}")
     queue = sorted((c for c in candidates if c.status == "pending"),
                    key=lambda c: (c.bound.seconds(rates), c.peak_model or c.arguments))
@@ -314,10 +286,10 @@ def search(planner: Planner, space: Space, budget: float, rates, *, host_budget:
         if c.status == "invalid":
             continue
         if c.device_peak > budget:
-            c.status, c.reason = "over budget", f"compiled peak {_fmt(c.device_peak)} > {_fmt(budget)}"
+            c.status, c.reason = "over budget", f"compiled peak {format_bytes(c.device_peak)} > {format_bytes(budget)}"
         else:
             c.status = "fits"
-            c.reason = f"compiled peak {_fmt(c.device_peak)}"
+            c.reason = f"compiled peak {format_bytes(c.device_peak)}"
             if best is None or c.seconds(rates) < best.seconds(rates):
                 best = c
     if bar is not None:
@@ -331,7 +303,8 @@ def _first_line(error: Exception) -> str:
     return str(error).split("\n")[0]
 
 
-def _fmt(b: float) -> str:
+def format_bytes(b: float) -> str:
+    """Bytes in GiB, MiB or KiB (the largest that is at least one), else B: as the plan's tables print them."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(b) >= size:
             return f"{b / size:.2f} {unit}"
@@ -350,20 +323,20 @@ def format_table(result: PlanResult, only: str = "all") -> str:
     for c in rows:
         bound = f"{c.bound.seconds(rates) * 1e3:9.4f}" if c.bound else f"{'-':>9}"
         measured = f"{c.measured.seconds(rates) * 1e3:11.4f}" if c.measured else f"{'-':>11}"
-        args = f"{_fmt(c.arguments):>10}" if c.bound else f"{'-':>10}"
-        model = f"{_fmt(c.peak_model):>11}" if c.peak_model is not None else f"{'-':>11}"
-        peak = f"{_fmt(c.device_peak):>10}" if c.device_peak is not None else f"{'-':>10}"
+        args = f"{format_bytes(c.arguments):>10}" if c.bound else f"{'-':>10}"
+        model = f"{format_bytes(c.peak_model):>11}" if c.peak_model is not None else f"{'-':>11}"
+        peak = f"{format_bytes(c.device_peak):>10}" if c.device_peak is not None else f"{'-':>10}"
         mark = "* " if c is result.winner else ""
         lines.append(f"{c.label:<52} {bound} {measured} {args} {model} {peak}  {mark}{c.status}: {c.reason}")
     counts = {s: sum(c.status == s for c in result.candidates) for s in order}
     lines.append(f"{len(result.candidates)} candidates: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
                  + f"; {result.compiles} compiled in {result.seconds:.1f} s")
     if result.winner is None:
-        lines.append(f"no candidate fits {_fmt(result.budget)} per device")
+        lines.append(f"no candidate fits {format_bytes(result.budget)} per device")
     else:
         w = result.winner
         parts = w.measured.parts(rates)
-        lines.append(f"winner: {w.label}: compiled peak {_fmt(w.device_peak)} <= {_fmt(result.budget)}; predicted "
+        lines.append(f"winner: {w.label}: compiled peak {format_bytes(w.device_peak)} <= {format_bytes(result.budget)}; predicted "
                      f"{w.seconds(rates) * 1e3:.4f} ms/step = comm {parts['comm_s'] * 1e3:.4f} + host "
                      f"{parts['host_s'] * 1e3:.4f} + compute {parts['compute_s'] * 1e3:.4f} + bubble "
                      f"{parts['bubble_s'] * 1e3:.4f} ms ({w.measured.comm:,.0f} collective bytes, "
@@ -379,8 +352,8 @@ def gin_text(result: PlanResult, base, gin_files, gin_params, command: str) -> s
     opt, param = config.offload_optimizer, config.offload_param
     lines = [f"# Written by `{command}`.",
              f"# The cheapest of {len(result.candidates)} candidates by the cost model that fits "
-             f"{_fmt(result.budget)} per device: {w.label},",
-             f"# compiled peak {_fmt(w.device_peak)} per device, predicted {w.seconds(result.rates) * 1e3:.4f} ms/step "
+             f"{format_bytes(result.budget)} per device: {w.label},",
+             f"# compiled peak {format_bytes(w.device_peak)} per device, predicted {w.seconds(result.rates) * 1e3:.4f} ms/step "
              "(docs/plan.md).", ""]
     lines += [f"include '{os.path.abspath(path)}'" for path in gin_files]
     lines += list(gin_params)
@@ -398,108 +371,3 @@ def gin_text(result: PlanResult, base, gin_files, gin_params, command: str) -> s
               "Config.offload_param = @OffloadParamConfig()",
               f"OffloadParamConfig.device = '{param.device}'", f"OffloadParamConfig.pin_memory = {param.pin_memory}"]
     return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="search ZeRO stage, offload, remat, micro-batching and mesh for the "
-                                           "cheapest GPT configuration that fits (compile-only)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
-    p.add_argument("--devices", type=int, default=8, help="devices (simulated CPU devices here; default 8)")
-    p.add_argument("--device-memory", required=True, help="per-device budget, e.g. 80GB, 80GiB, 16MiB")
-    p.add_argument("--host-memory", default=None, help="host memory budget (one host), e.g. 512GB")
-    p.add_argument("--bandwidth", type=float, default=100e9, help="collective bytes/s per device (default 100e9)")
-    p.add_argument("--host-bandwidth", type=float, default=25e9, help="host<->device bytes/s (default 25e9)")
-    p.add_argument("--flops", type=float, default=400e12, help="FLOP/s per device (default 400e12)")
-    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to search (default 0,1,2,3)")
-    p.add_argument("--offload", default=",".join(OFFLOADS), help=f"offload modes (default {','.join(OFFLOADS)})")
-    p.add_argument("--remat", default=None, help="remat policies (default: all of Config.remat's)")
-    p.add_argument("--micro-batches", default=None, help="micro-batch sizes (default: every divisor)")
-    p.add_argument("--tensor", default=None, help="tensor sizes (default: divisors of devices and heads)")
-    p.add_argument("--pipe", default="1", help="pipe sizes, e.g. 1,2,4 (default 1: no pipeline; docs/plan.md)")
-    p.add_argument("--tie", type=float, default=0.0,
-                   help="bounds within this share of the best cost count as no cheaper (default 0: strict)")
-    p.add_argument("--max-compiles", type=int, default=None, help="stop compiling after this many")
-    p.add_argument("--out", default=None, help="write the winner as this gin file")
-    p.add_argument("--json", default=None, help="write every candidate as JSON to this file")
-    p.add_argument("--show", choices=("all", "compiled"), default="all", help="table rows (default all)")
-    p.add_argument("--no_progress", action="store_true")
-    p.set_defaults(run=cmd_plan)
-
-
-def space_from_args(args) -> Space:
-    from zeroflax.config import REMAT_POLICIES
-    stages = _int_list(args.stages, "--stages")
-    if not set(stages) <= {0, 1, 2, 3}:
-        raise ConfigError("--stages", f"ZeRO stages are 0-3, got {args.stages!r}")
-    offloads = tuple(v.strip() for v in args.offload.split(",") if v.strip())
-    if not offloads or not set(offloads) <= set(OFFLOADS):
-        raise ConfigError("--offload", f"must list some of {', '.join(OFFLOADS)}, got {args.offload!r}")
-    remats = None
-    if args.remat:
-        remats = tuple(v.strip() for v in args.remat.split(",") if v.strip())
-        if not remats or not set(remats) <= set(REMAT_POLICIES):
-            raise ConfigError("--remat", f"must list some of {', '.join(REMAT_POLICIES)}, got {args.remat!r}")
-    lists = {}
-    for key, flag in (("micro_batches", "--micro-batches"), ("tensor", "--tensor"), ("pipe", "--pipe")):
-        text = getattr(args, key)
-        lists[key] = tuple(_int_list(text, flag)) if text else None
-        if lists[key] and min(lists[key]) < 1:
-            raise ConfigError(flag, f"sizes must be >= 1, got {text!r}")
-    return Space(tuple(stages), offloads, remats, **lists)
-
-
-def global_batch_of(config, devices: int) -> int:
-    """The fixed global batch: Config.train_batch_size, or what the input config's factors give."""
-    if config.train_batch_size is not None:
-        return config.train_batch_size
-    sizes = config.mesh.resolve(devices)
-    return config.micro_batch_size * config.grad_accum_steps * sizes["data"]
-
-
-def cmd_plan(args) -> int:
-    from zeroflax.cli import _force_cpu_devices, _parse_gin
-    from zeroflax.cost import Rates
-
-    if args.devices < 1:
-        raise ConfigError("--devices", f"must be >= 1, got {args.devices}")
-    for flag, value in (("--bandwidth", args.bandwidth), ("--host-bandwidth", args.host_bandwidth),
-                        ("--flops", args.flops), ("--tie", args.tie + 1)):
-        if not value > 0:
-            raise ConfigError(flag, f"must be positive, got {value!r}")
-    budget = parse_bytes(args.device_memory, "--device-memory")
-    host_budget = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None
-    space = space_from_args(args)
-    _force_cpu_devices(args.devices)
-    _parse_gin(args.gin_file, args.gin_param)
-    from zeroflax.config import Config
-    from zeroflax.models.gpt import GPTConfig
-    from zeroflax.train import TrainConfig
-
-    base, gpt, tc = Config(), GPTConfig(), TrainConfig()
-    global_batch = global_batch_of(base, args.devices)
-    planner = Planner(gpt, base, tc, args.devices)
-    rates = Rates(args.bandwidth, args.host_bandwidth, args.flops)
-    result = search(planner, space, budget, rates, host_budget=host_budget, global_batch=global_batch, tie=args.tie,
-                    progress=not args.no_progress, max_compiles=args.max_compiles)
-    print(f"zeroflax plan: GPT ({planner.spec.num_params:,} parameters), global batch {global_batch} x "
-          f"{tc.seq_len} tokens, {args.devices} devices, budget {_fmt(budget)} per device"
-          + (f", host {_fmt(host_budget)}" if host_budget else "")
-          + f"; rates: {args.bandwidth:.3g} B/s collectives, {args.host_bandwidth:.3g} B/s host, {args.flops:.3g} FLOP/s")
-    print("bound: analytic lower bound of the step time; compiled: from the compiled program; args: device "
-          "arguments at rest (analytic); peak model: estimate.gpt_peak; compiled: memory_analysis peak less host states")
-    print(format_table(result, args.show))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_dict(), f, indent=1)
-    if result.winner is None:
-        raise ConfigError("--device-memory", f"no candidate fits {_fmt(budget)} per device",
-                          "raise the budget or widen the search (--stages, --offload, --remat, --micro-batches)")
-    if args.out:
-        command = "zeroflax plan " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["plan"] else "zeroflax plan"
-        with open(args.out, "w") as f:
-            f.write(gin_text(result, base, args.gin_file, args.gin_param, command))
-        print(f"wrote {args.out}: zeroflax train --gin_file {args.out}")
-    return 0
