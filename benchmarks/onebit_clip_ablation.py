@@ -30,17 +30,17 @@ def patch(mode: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    import zeroflax.optim.onebit as onebit
+    import zeroflax.step.onebit_sync as onebit
     from zeroflax.optim.clipping import clip_to, global_norm
 
-    built = onebit.OneBitSync.final
+    built = onebit.OneBitSync.exchanged  # the compressed phase's exchange (OneBitSync.final calls it)
 
     def final(self, grads, mu_prev, sync, step):
         if mode == "exact-norm":  # the mean gradient's exact norm, then the built (sketch-free) compressed path
             norm = global_norm(jax.tree.map(lambda g: jax.lax.psum(g.astype(jnp.float32), self.axis), grads))
             grads = clip_to(grads, norm, self.grad_clip)
             return built(dataclasses.replace(self, grad_clip=0.0), grads, mu_prev, sync, step)
-        if any(layout.zero_dim is not None for layout in jax.tree.leaves(self.layouts, is_leaf=onebit._is_layout)):
+        if any(layout.zero_dim is not None for layout in jax.tree.leaves(self.layouts, is_leaf=lambda x: isinstance(x, onebit.Layout))):
             raise SystemExit(f"{mode} averages whole momenta: run it at --stage 0")
         s, n = self.settings, self.data_size
         local = jax.tree.map(lambda g: g.astype(jnp.float32) * n, grads)
@@ -50,7 +50,7 @@ def patch(mode: str) -> None:
         momentum = jax.tree.map(lambda m, g: jax.lax.pmean(s.b1 * m + (1 - s.b1) * g, self.axis), mu_prev, local)
         return momentum, onebit.SyncState(sync.leaves, jnp.asarray(step, jnp.int32)), jax.lax.pmean(norm, self.axis)
 
-    onebit.OneBitSync.final = final
+    onebit.OneBitSync.exchanged = final
 
 
 def main():

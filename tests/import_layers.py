@@ -14,11 +14,12 @@ LAYERS = [
     ("step parts", ["zeroflax.step", "zeroflax.remat_choice"]),
     ("engine", ["zeroflax.engine"]),
     ("models", ["zeroflax.models"]),
-    ("reports", ["zeroflax.hlo", "zeroflax.comm", "zeroflax.memory", "zeroflax.explain", "zeroflax.reports"]),
+    ("reports", ["zeroflax.hlo", "zeroflax.buffer_assignment", "zeroflax.comm", "zeroflax.memory", "zeroflax.explain", "zeroflax.reports"]),
     ("runtime", ["zeroflax.checkpoint", "zeroflax.generate", "zeroflax.export", "zeroflax.deepspeed",
                  "zeroflax.train"]),
     ("planners", ["zeroflax.estimate", "zeroflax.cost", "zeroflax.plan"]),
-    ("command line", ["zeroflax.command", "zeroflax.cli", "zeroflax.__main__"]),
+    ("command line", ["zeroflax.command_flags", "zeroflax.estimate_command", "zeroflax.plan_command",
+                      "zeroflax.explain_command", "zeroflax.cli", "zeroflax.__main__"]),
     ("package face", ["zeroflax"]),
 ]
 
@@ -76,7 +77,7 @@ def imports(modules: dict[str, pathlib.Path]) -> tuple[dict[str, set[str]], list
                         targets.append(full)
                         continue
                     targets.append(_target(base, modules))
-                    if alias.name.startswith("_") and targets[-1] and targets[-1] != module:
+                    if alias.name.startswith("_") and not alias.name.endswith("__") and targets[-1] and targets[-1] != module:
                         private.append(f"{module}: {alias.name} from {targets[-1]}")
             else:
                 continue

@@ -35,7 +35,7 @@ import numpy as np
 
 from zeroflax.hlo import (ARRAY_TYPE, DTYPE_BYTES, OP_NAME, array_bytes, computation_multipliers, first_replica_group,
                           scope_weight, source_target_pairs, split_computations)
-from zeroflax.sharding.mesh import TENSOR_AXIS
+from zeroflax.sharding.mesh import PIPE_AXIS, TENSOR_AXIS
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -201,26 +201,6 @@ def theory_bytes(stage: int, num_params: int, data_size: int, compute_bytes: flo
     return 2 * grad_bytes * num_params * share
 
 
-def onebit_theory(sync, stage: int, grad_bytes: int, phase: str) -> float:
-    """1-bit Adam's volume per device over `data` in a compressed step: per leaf of C columns per row, an
-    all-to-all of the worker's packed signs and an all-gather of the servers' ((N-1) C / 8 bytes each) and
-    of both scales (4 (N-1) each); at stages 1-2 the all-gather of the updated parameters (the variance is
-    partitioned, so the update is too); in the first compressed step, the all-gather of the warm-up's
-    partitioned momentum (fp32); with clipping by the mean gradient's norm, the all-reduce of its sketch
-    (fp32, SKETCH_BUCKETS)."""
-    from zeroflax.step.onebit_sync import FIRST, SKETCH_BUCKETS  # noqa: PLC0415
-    layouts = jax.tree.leaves(sync.layouts, is_leaf=lambda x: hasattr(x, "cols"))
-    n = sync.data_size
-    share = (n - 1) / n
-    exchange = sum((n - 1) * (l.cols / 4 + 8) for l in layouts)
-    if sync.grad_clip > 0 and not sync.settings.local_clip:
-        exchange += 2 * 4 * SKETCH_BUCKETS * share
-    partitioned = sum(l.size for l in layouts if l.zero_dim is not None)
-    gather = grad_bytes * partitioned * share if stage in (1, 2) else 0.0
-    first = 4 * partitioned * share if phase == FIRST else 0.0
-    return exchange + gather + first
-
-
 def megatron_all_reduces(layers: int, stages: int, virtual: int, micro_batches: int, remat: str,
                          vocab_parallel: bool, sequence_parallel: bool = False) -> float:
     """All-reduces over `tensor` of one layer activation (a micro-batch's [batch, seq, d_model] on one
@@ -350,9 +330,11 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     # This device's parameters once the pipe and tensor axes have split them (ZeRO then splits them N ways).
     local = _local_elements((leaves, without_data, placements), None, lambda p: True)
     accum = engine.config.grad_accum_steps
-    theory_by_axis = {"data": theory_bytes(stage, local, engine.data_size, compute, grad, accum, offload)}
-    if engine.sync.state_bytes() and phase != "warmup":
-        theory_by_axis["data"] = onebit_theory(engine.sync, stage, grad, phase)
+    # The gradient sync's own theory over `data` (ZeRO's volume, or 1-bit Adam's compressed exchange).
+    data_theory = lambda params: engine.sync.data_axis_bytes(
+        theory_bytes(stage, params, engine.data_size, compute, grad, accum, offload), stage, grad, engine.clock.of(
+            engine.sync, phase))
+    theory_by_axis = {"data": data_theory(local)}
     if engine.schedule is not None and stage >= 2:
         # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch and tick, a stage's
         # backward tick recomputes its forward (gathering again at 3), and only the first and last
@@ -398,9 +380,8 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, by_dtype=by_dtype, total_bytes=total,
         # With a pipe or tensor axis the whole-step theory is the sum of the axes that have one.
         theory_bytes=(sum(theory_by_axis.values()) if len(engine.mesh.shape) > 1 and
-                      (engine.mesh.shape.get("pipe", 1) > 1 or engine.mesh.shape.get("tensor", 1) > 1)
-                      or "data" in theory_by_axis and engine.sync.state_bytes() > 0
-                      else theory_bytes(stage, num_params, engine.data_size, compute, grad, accum, offload)),
+                      (engine.mesh.shape.get(PIPE_AXIS, 1) > 1 or engine.mesh.shape.get(TENSOR_AXIS, 1) > 1)
+                      else data_theory(num_params)),
         phase=phase,
         unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives],
         by_axis=by_axis, theory_by_axis=theory_by_axis, permute_bytes=permute, permute_theory=permute_theory,

@@ -1,6 +1,6 @@
 """Where a step's memory goes: every byte XLA reserves for the compiled step, by layer and by category.
 
-`engine.memory_report(state, batch, by="layer")` and `zeroflax explain` (per ZeRO stage, with a figure).
+`zeroflax.memory_report(engine, state, batch, by="layer")` and `zeroflax explain` (per ZeRO stage, with a figure).
 All figures are per device. Two sources, summed:
 
 - The step's arguments, the train state and the batch: each leaf's bytes on one device, from its sharding

@@ -51,7 +51,7 @@ def cmd_explain(args) -> int:
                 raise
             print(f"ZeRO stage {stage}: refused by this configuration: {str(error).splitlines()[0]}\n", flush=True)
             continue
-        reports.append(engine.memory_report(state, batch, by="layer"))
+        reports.append(explain.layer_report(engine, state, batch))
         print(reports[-1], "\n", flush=True)
     if not reports:
         raise ConfigError("--stages", f"this configuration refuses every stage in {args.stages!r}")

@@ -227,17 +227,18 @@ def abstract_gpt_engine(gpt, config, optimizer, seq_len: int, global_batch: int 
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import zeroflax
+    from zeroflax.engine import initialize
     from zeroflax.models.gpt import GPT, next_token_loss
+    from zeroflax.sharding.mesh import DATA_AXIS
 
     model = GPT(gpt)
     sample = {"tokens": jax.ShapeDtypeStruct((1, seq_len + 1), jnp.int32)}
-    engine, state = zeroflax.initialize(
+    engine, state = initialize(
         next_token_loss(model), lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"],
         optimizer, config, sample_batch=sample, abstract=True)
     rows = global_batch or engine.train_batch_size
     batch = {"tokens": jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32,
-                                            sharding=NamedSharding(engine.mesh, P("data")))}
+                                            sharding=NamedSharding(engine.mesh, P(DATA_AXIS)))}
     return engine, state, batch
 
 
