@@ -36,29 +36,9 @@ from zeroflax.deepspeed_keys import (as_block, as_bool, as_int, as_number, check
                                      join)
 from zeroflax.config import (Config, ConfigError, LossScaleConfig, MeshConfig, OffloadOptimizerConfig,
                              OffloadParamConfig)
+from zeroflax.deepspeed_settings import AUTO, Settings
 from zeroflax.optim import schedules
 from zeroflax.optim.onebit import onebit_adam
-
-AUTO = "auto"
-
-
-# --------------------------------------------------------------------------------------- zeroflax settings
-class _Settings:
-    """The zeroflax settings the JSON decides, by gin-style name ('Config.zero_stage'), and where each came
-    from. `bound` values (gin) win over DeepSpeed's defaults and "auto"; a value the JSON writes must equal them."""
-
-    def __init__(self, bound: Mapping[str, Any]):
-        self.bound = dict(bound or {})
-        self.values: dict[str, Any] = {}
-
-    def set(self, name: str, value, path: str, written: bool = True):
-        if name in self.bound:
-            if written and self.bound[name] != value:
-                raise ConfigError(path, f"gives {value!r} but {name} is bound to {self.bound[name]!r} elsewhere "
-                                  "(gin)", f"remove one of the two, or make them agree")
-            value = self.bound[name]
-        self.values[name] = value
-        return value
 
 
 # ------------------------------------------------------------------------------------------------ result
@@ -135,7 +115,7 @@ def load_json(source) -> tuple[dict, str]:
 
 
 # ------------------------------------------------------------------------------------------- the blocks
-def _precision(ds: dict, settings: _Settings, base: Config | None, notes: list) -> str:
+def _precision(ds: dict, settings: Settings, base: Config | None, notes: list) -> str:
     fp16 = as_block(ds.get("fp16", {}), "fp16")
     if "bf16" in ds and "bfloat16" in ds:
         raise ConfigError("bfloat16", "given together with bf16 (its new name)", "keep bf16")
@@ -178,7 +158,7 @@ def _precision(ds: dict, settings: _Settings, base: Config | None, notes: list) 
     return precision
 
 
-def _zero(ds: dict, settings: _Settings, hidden_size: int | None, notes: list) -> int:
+def _zero(ds: dict, settings: Settings, hidden_size: int | None, notes: list) -> int:
     zero = ds.get("zero_optimization", {})
     if isinstance(zero, bool):  # DeepSpeed's old form
         notes.append("zero_optimization: true/false is DeepSpeed's old form of stage 1/0")
@@ -246,7 +226,7 @@ def _zero(ds: dict, settings: _Settings, hidden_size: int | None, notes: list) -
     return stage
 
 
-def _batch(ds: dict, settings: _Settings, base: Config | None, data_size: int, notes: list) -> None:
+def _batch(ds: dict, settings: Settings, base: Config | None, data_size: int, notes: list) -> None:
     """DeepSpeed's rule (runtime/config.py, _set_batch_related_parameters): any two of train_batch_size,
     train_micro_batch_size_per_gpu, gradient_accumulation_steps give the third; train_batch_size alone means
     no accumulation; micro alone means train = micro x world; then train == micro x accumulation x world."""
@@ -302,7 +282,7 @@ def _batch(ds: dict, settings: _Settings, base: Config | None, data_size: int, n
         settings.set(names[key], value, key, written[key])
 
 
-def _clipping(ds: dict, settings: _Settings, base: Config | None, notes: list) -> None:
+def _clipping(ds: dict, settings: Settings, base: Config | None, notes: list) -> None:
     value = ds.get("gradient_clipping", None)
     if value == AUTO:
         resolved = settings.bound.get("Config.grad_clip", base.grad_clip if base else None)
@@ -317,7 +297,7 @@ def _clipping(ds: dict, settings: _Settings, base: Config | None, notes: list) -
         settings.set("Config.grad_clip", as_number(value, "gradient_clipping"), "gradient_clipping")
 
 
-def _remat(ds: dict, settings: _Settings, notes: list) -> str | None:
+def _remat(ds: dict, settings: Settings, notes: list) -> str | None:
     """An activation_checkpointing block: DeepSpeed checkpoints each layer and recomputes it in the backward
     pass; Config.remat 'full' does that for each scanned layer and gather group. Without the block the
     model decides in DeepSpeed (Megatron's --checkpoint-activations), so Config.remat stays as it is."""
@@ -328,7 +308,7 @@ def _remat(ds: dict, settings: _Settings, notes: list) -> str | None:
     return settings.set("Config.remat", "full", "activation_checkpointing")
 
 
-def _tensor(ds: dict, settings: _Settings, axes: dict, notes: list) -> dict:
+def _tensor(ds: dict, settings: Settings, axes: dict, notes: list) -> dict:
     block = as_block(ds.get("tensor_parallel", {}), "tensor_parallel")
     check_block(block, "tensor_parallel", notes)
     if "autotp_size" in block:
@@ -665,7 +645,7 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
     """
     ds, _ = load_json(source)
     auto_base, base = base, base if base is not None else Config()  # only a given base resolves "auto"
-    settings = _Settings(bound)
+    settings = Settings(bound)
     notes: list[str] = []
     kw = dict(learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps,
               warmup_steps=warmup_steps, total_steps=total_steps)
