@@ -25,28 +25,22 @@ import json
 import math
 import os
 import re
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 import jax
 import optax
 
-from zeroflax import deepspeed_keys as keys
-from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_block, check_params
+from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_block
 from zeroflax.config import (Config, ConfigError, LossScaleConfig, MeshConfig, OffloadOptimizerConfig,
                              OffloadParamConfig)
 from zeroflax.deepspeed_optimizer import build_optimizer, read_optimizer
 from zeroflax.deepspeed_scheduler import read_scheduler
 from zeroflax.deepspeed_settings import AUTO, Settings
+from zeroflax.deepspeed_sparse import SparseAttention, make_sparsity, read_sparse_attention
 from zeroflax.optim import schedules
 
 
 # ------------------------------------------------------------------------------------------------ result
-class SparseAttention(NamedTuple):
-    mode: str
-    cls: str  # a zeroflax.kernels.sparsity_config class name
-    kwargs: dict  # its arguments, all but num_heads
-
-
 @dataclasses.dataclass(frozen=True)
 class DeepSpeedImport:
     """What `from_deepspeed` returns; `config, optimizer = result` unpacks the first two.
@@ -320,32 +314,6 @@ def _tensor(ds: dict, settings: Settings, axes: dict, notes: list) -> dict:
     return axes
 
 
-def _sparse(ds: dict, notes: list) -> SparseAttention | None:
-    if "sparse_attention" not in ds:
-        return None
-    block = as_block(ds["sparse_attention"], "sparse_attention")
-    mode = block.get("mode", "fixed")  # DeepSpeed's default mode
-    if not isinstance(mode, str) or mode not in keys.SPARSE_MODES:
-        raise ConfigError("sparse_attention.mode", f"unknown mode {mode!r}", f"use one of {', '.join(keys.SPARSE_MODES)}")
-    cls, takes = keys.SPARSE_MODES[mode]
-    check_params(block, "sparse_attention", {"mode": None, **takes}, {}, notes, f"sparse_attention mode {mode!r}")
-    kwargs = {k: block.get(k, default) for k, default in takes.items()}
-    sparse = SparseAttention(mode, cls, kwargs)
-    try:  # the class checks its arguments; one head suffices to check them now
-        make_sparsity(sparse, 1)
-    except (ValueError, TypeError) as error:
-        message = str(error).splitlines()[0]
-        # The classes name the argument at fault first: key the error by the earliest key in the message.
-        found = [(m.start(), k) for k in kwargs for m in [re.search(rf"\b{k}\b", message)] if m]
-        raise ConfigError(f"sparse_attention.{min(found)[1]}" if found else "sparse_attention", message) from None
-    return sparse
-
-
-def make_sparsity(sparse: SparseAttention, num_heads: int):
-    from zeroflax.kernels import sparsity_config
-    return getattr(sparsity_config, sparse.cls)(num_heads=num_heads, **sparse.kwargs)
-
-
 # --------------------------------------------------------------------------------------------- the entry
 CONFIG_KEYS = {  # zeroflax names (in Config errors) -> JSON paths, to re-key Config's own checks
     "Config.zero_stage": "zero_optimization.stage", "Config.precision": "fp16.enabled",
@@ -438,7 +406,7 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
     _batch(ds, settings, auto_base, data_size, notes)
     _clipping(ds, settings, auto_base, notes)
     remat = _remat(ds, settings, notes)
-    sparse = _sparse(ds, notes)
+    sparse = read_sparse_attention(ds, notes)
 
     spec = read_optimizer(ds, kw, notes)
     build_schedule = read_scheduler(ds, kw, notes)
