@@ -17,6 +17,12 @@ Three inputs besides the JSON decide what it does not say (docs/from_deepspeed.m
     "auto" in the optimizer and scheduler blocks and ZeRO-3's bucket sizes, by Hugging Face's rules.
 Batch sizes follow DeepSpeed's rule over the data-parallel size: `world_size` if given (the mesh then has
 exactly that many data devices), else the data axis of `base.mesh` over all devices.
+
+This module is the entry: loading the JSON, the result, building the Config, gin's bindings. Each block has
+its reader: deepspeed_precision (fp16, bf16), deepspeed_zero (zero_optimization, its offload blocks),
+deepspeed_runtime (batch sizes, gradient_clipping, activation_checkpointing, tensor_parallel),
+deepspeed_optimizer, deepspeed_scheduler, deepspeed_sparse (sparse_attention); they record the settings they
+decide in a deepspeed_settings.Settings.
 """
 from __future__ import annotations
 
@@ -30,8 +36,8 @@ from typing import Any, Callable, Mapping
 import jax
 import optax
 
-from zeroflax.deepspeed_keys import as_int, check_block
 from zeroflax.config import Config, ConfigError, MeshConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zeroflax.deepspeed_keys import as_int, check_block
 from zeroflax.deepspeed_optimizer import build_optimizer, read_optimizer
 from zeroflax.deepspeed_precision import read_precision
 from zeroflax.deepspeed_runtime import read_batch, read_clipping, read_remat, read_tensor_parallel
