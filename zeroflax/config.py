@@ -4,7 +4,7 @@ Every field is checked when the object is built; every failure raises `ConfigErr
 names the key (as it would be written in a gin file, e.g. `Config.zero_stage`) and what would fix it.
 Checks that need the machine (device count) or the data (batch size) run in `initialize`.
 
-Config and its sections live here, except ZeRO-Offload's two (offload_config.py); ConfigError, gin's
+Config and its sections live here, except ZeRO-Offload's two (config_offload.py); ConfigError, gin's
 `configurable` and the field checks are in config_checks.py. Import all public names from here.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from typing import Mapping
 
 from zeroflax.config_checks import ConfigError, configurable, is_int, require
-from zeroflax.offload_config import OffloadOptimizerConfig, OffloadParamConfig
+from zeroflax.config_offload import OffloadOptimizerConfig, OffloadParamConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
