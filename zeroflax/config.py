@@ -3,25 +3,21 @@
 Every field is checked when the object is built; every failure raises `ConfigError` whose message
 names the key (as it would be written in a gin file, e.g. `Config.zero_stage`) and what would fix it.
 Checks that need the machine (device count) or the data (batch size) run in `initialize`.
+
+Config and its sections live here, except ZeRO-Offload's two (config_offload.py); ConfigError, gin's
+`configurable` and the field checks are in config_checks.py. Import all public names from here.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Mapping
 
-try:
-    import gin
-    configurable = gin.configurable
-except ImportError:  # e.g. a GPU image without gin-config: the Python API works, only the CLI needs gin
-    def configurable(cls):
-        return cls
+from zeroflax.config_checks import ConfigError, configurable, is_int, require
+from zeroflax.config_offload import OffloadOptimizerConfig, OffloadParamConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
-OFFLOAD_DEVICES = ("none", "cpu")
-DELAYED_PREDICTIONS = ("linear", "extrapolate", "none")
-OFFLOAD_UPDATES = ("host", "device")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PIPE = "pipe"  # the pipeline mesh axis
 
@@ -41,26 +37,6 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key and how to fix it."""
-
-    def __init__(self, key: str, problem: str, fix: str | None = None):
-        self.key = key
-        message = f"{key}: {problem}"
-        if fix:
-            message += f" ({fix})"
-        super().__init__(message)
-
-
-def _require(ok: bool, key: str, problem: str, fix: str | None = None) -> None:
-    if not ok:
-        raise ConfigError(key, problem, fix)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @configurable
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
@@ -75,16 +51,16 @@ class MeshConfig:
     def __post_init__(self):
         axes = dict(self.axes)
         object.__setattr__(self, "axes", axes)
-        _require("data" in axes and "tensor" in axes, "MeshConfig.axes",
-                 f"must name at least the axes 'data' and 'tensor', got {list(axes)}",
-                 "e.g. {'data': -1, 'tensor': 1}")
+        require("data" in axes and "tensor" in axes, "MeshConfig.axes",
+                f"must name at least the axes 'data' and 'tensor', got {list(axes)}",
+                "e.g. {'data': -1, 'tensor': 1}")
         for name, size in axes.items():
-            _require(isinstance(name, str) and name.isidentifier(), "MeshConfig.axes",
-                     f"axis name {name!r} is not an identifier")
-            _require(_is_int(size) and (size == -1 or size >= 1), f"MeshConfig.axes['{name}']",
-                     f"size must be a positive integer or -1 (all remaining devices), got {size!r}")
-        _require(sum(size == -1 for size in axes.values()) <= 1, "MeshConfig.axes",
-                 "at most one axis may be -1 (all remaining devices)")
+            require(isinstance(name, str) and name.isidentifier(), "MeshConfig.axes",
+                    f"axis name {name!r} is not an identifier")
+            require(is_int(size) and (size == -1 or size >= 1), f"MeshConfig.axes['{name}']",
+                    f"size must be a positive integer or -1 (all remaining devices), got {size!r}")
+        require(sum(size == -1 for size in axes.values()) <= 1, "MeshConfig.axes",
+                "at most one axis may be -1 (all remaining devices)")
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         """Axis sizes with `-1` filled in, checked against the number of devices."""
@@ -133,119 +109,21 @@ class LossScaleConfig:
     def __post_init__(self):
         k = "LossScaleConfig."
         number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        _require(number(self.loss_scale) and self.loss_scale >= 0, k + "loss_scale",
-                 f"must be 0 (dynamic) or a positive fixed scale, got {self.loss_scale!r}")
-        _require(_is_int(self.initial_scale_power) and 0 <= self.initial_scale_power <= 64,
-                 k + "initial_scale_power", f"must be an integer in [0, 64], got {self.initial_scale_power!r}")
-        _require(_is_int(self.loss_scale_window) and self.loss_scale_window >= 1, k + "loss_scale_window",
-                 f"must be a positive integer, got {self.loss_scale_window!r}")
-        _require(_is_int(self.hysteresis) and self.hysteresis >= 1, k + "hysteresis",
-                 f"must be a positive integer, got {self.hysteresis!r}")
-        _require(isinstance(self.consecutive_hysteresis, bool), k + "consecutive_hysteresis",
-                 f"must be True or False, got {self.consecutive_hysteresis!r}")
-        _require(number(self.min_loss_scale) and self.min_loss_scale > 0, k + "min_loss_scale",
-                 f"must be a number > 0, got {self.min_loss_scale!r}")
-        _require(float(self.min_loss_scale).is_integer(), k + "min_loss_scale",
-                 f"must be a whole number, got {self.min_loss_scale!r}",
-                 "DeepSpeed's fp16.min_loss_scale is an integer")
-
-
-def _check_offload_device(prefix: str, device, pin_memory) -> None:
-    """The checks both offload blocks share: their `device` and `pin_memory` keys."""
-    _require(device != "nvme", prefix + "device", "'nvme' (ZeRO-Infinity) is not supported: JAX has no NVMe "
-             "memory kind", "use 'cpu'")
-    _require(device in OFFLOAD_DEVICES, prefix + "device", f"unknown device {device!r}",
-             f"use one of {', '.join(OFFLOAD_DEVICES)}")
-    _require(isinstance(pin_memory, bool), prefix + "pin_memory", f"must be True or False, got {pin_memory!r}")
-
-
-@configurable
-@dataclasses.dataclass(frozen=True)
-class OffloadOptimizerConfig:
-    """ZeRO-Offload of the optimizer (DeepSpeed's zero_optimization.offload_optimizer), stages 1-3.
-
-    device: 'none', or 'cpu': the fp32 master weights and the optimizer state live in host memory,
-        partitioned over the data axis (12 bytes per parameter / N); the device keeps a compute-dtype
-        copy of the parameters (whole at stages 1-2, a shard at stage 3).
-    pin_memory: page-locked host memory (memory kind 'pinned_host', which the device reads directly);
-        False uses 'unpinned_host'.
-    update: where the optimizer step runs: 'host' (jax's compute_on('device_host'): only gradients go
-        down and compute-dtype parameters come back) or 'device' (the master weights and optimizer state
-        come to the device for the update and go back).
-    delayed_update: ZeRO-Offload's delayed parameter update (DPU): the host update of step t's gradient
-        runs beside step t+1's forward and backward, which use parameters one step stale. Off by default;
-        see docs/offload.md for its effect on the loss.
-    delayed_update_start: the first step whose update is delayed; the steps before it update at once
-        (ZeRO-Offload's paper turns DPU on after the first few tens of iterations, when the gradients
-        change fastest: from step 0 the main job ends far worse, docs/offload.md).
-    delayed_update_prediction: where each delayed step's gradient is taken, since it is applied one
-        update later. 'none': at the stale master P_t (DeepSpeed's DPU as published). 'extrapolate': at
-        P_t plus the last update, a guess that the next update repeats it (no device cost). 'linear'
-        (default): at the parameters the next update will give: the host sends P_t + c and a slope s
-        (bf16), c + s g being the optimizer's next update as an affine function of the next gradient g
-        (the secant through +-(the gradient just applied)), and the device adds s times the gradient it
-        has just computed (clipped). This assumes an elementwise optimizer (Adam, AdamW, SGD); it costs 2
-        bytes per parameter more host->device per step and two more update evaluations on the host. 'extrapolate' and 'linear' are ours, not ZeRO-Offload's
-        (docs/offload.md measures all three). The compute copy then cannot be remade from the master
-        weights, so checkpoints store it.
-    """
-
-    device: str = "none"
-    pin_memory: bool = True
-    update: str = "host"
-    delayed_update: bool = False
-    delayed_update_start: int = 50
-    delayed_update_prediction: str = "linear"
-
-    def __post_init__(self):
-        k = "OffloadOptimizerConfig."
-        _check_offload_device(k, self.device, self.pin_memory)
-        _require(self.update in OFFLOAD_UPDATES, k + "update", f"unknown update place {self.update!r}",
-                 f"use one of {', '.join(OFFLOAD_UPDATES)}")
-        _require(isinstance(self.delayed_update, bool), k + "delayed_update",
-                 f"must be True or False, got {self.delayed_update!r}")
-        _require(_is_int(self.delayed_update_start) and self.delayed_update_start >= 0, k + "delayed_update_start",
-                 f"must be an integer >= 0, got {self.delayed_update_start!r}")
-        _require(self.delayed_update_prediction in DELAYED_PREDICTIONS, k + "delayed_update_prediction",
-                 f"unknown prediction {self.delayed_update_prediction!r}",
-                 f"use one of {', '.join(map(repr, DELAYED_PREDICTIONS))}")
-        _require(not (self.delayed_update and self.update != "host"), k + "delayed_update",
-                 "overlaps the host update with the next step's forward and backward, but update is "
-                 f"{self.update!r}", "set update='host', or delayed_update False")
-        _require(not (self.device == "none" and (self.delayed_update or self.update != "host")), k + "device",
-                 "is 'none', so update and delayed_update have nothing to act on", "set device='cpu'")
-
-    @property
-    def enabled(self) -> bool:
-        return self.device == "cpu"
-
-    @property
-    def predicts(self) -> bool:
-        """Whether delayed steps take their gradients at predicted parameters."""
-        return self.delayed_update and self.delayed_update_prediction != "none"
-
-
-@configurable
-@dataclasses.dataclass(frozen=True)
-class OffloadParamConfig:
-    """ZeRO-3's parameter offload (DeepSpeed's zero_optimization.offload_param).
-
-    device: 'none', or 'cpu': the device keeps no copy of the ZeRO-partitioned parameters; each layer's
-        shard of the fp32 master weights comes from host memory where it is gathered (forward, and again
-        in the backward pass), next to the all-gather. Needs zero_stage 3 and offload_optimizer on 'cpu'.
-        Leaves below persistence_threshold stay on the device, as DeepSpeed's persistent parameters do.
-    pin_memory: as for OffloadOptimizerConfig; the master weights' memory kind is the optimizer's.
-    """
-
-    device: str = "none"
-    pin_memory: bool = True
-
-    def __post_init__(self):
-        _check_offload_device("OffloadParamConfig.", self.device, self.pin_memory)
-
-    @property
-    def enabled(self) -> bool:
-        return self.device == "cpu"
+        require(number(self.loss_scale) and self.loss_scale >= 0, k + "loss_scale",
+                f"must be 0 (dynamic) or a positive fixed scale, got {self.loss_scale!r}")
+        require(is_int(self.initial_scale_power) and 0 <= self.initial_scale_power <= 64,
+                k + "initial_scale_power", f"must be an integer in [0, 64], got {self.initial_scale_power!r}")
+        require(is_int(self.loss_scale_window) and self.loss_scale_window >= 1, k + "loss_scale_window",
+                f"must be a positive integer, got {self.loss_scale_window!r}")
+        require(is_int(self.hysteresis) and self.hysteresis >= 1, k + "hysteresis",
+                f"must be a positive integer, got {self.hysteresis!r}")
+        require(isinstance(self.consecutive_hysteresis, bool), k + "consecutive_hysteresis",
+                f"must be True or False, got {self.consecutive_hysteresis!r}")
+        require(number(self.min_loss_scale) and self.min_loss_scale > 0, k + "min_loss_scale",
+                f"must be a number > 0, got {self.min_loss_scale!r}")
+        require(float(self.min_loss_scale).is_integer(), k + "min_loss_scale",
+                f"must be a whole number, got {self.min_loss_scale!r}",
+                "DeepSpeed's fp16.min_loss_scale is an integer")
 
 
 @configurable
@@ -333,102 +211,102 @@ class Config:
     nonfinite: str = "error"
 
     def __post_init__(self):
-        _require(isinstance(self.mesh, MeshConfig), "Config.mesh",
-                 f"must be a MeshConfig, got {type(self.mesh).__name__}")
-        _require(isinstance(self.loss_scale, LossScaleConfig), "Config.loss_scale",
-                 f"must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
-        _require(_is_int(self.zero_stage) and self.zero_stage in (0, 1, 2, 3), "Config.zero_stage",
-                 f"must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        _require(self.precision in PRECISIONS, "Config.precision",
-                 f"unknown precision {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
-        _require(self.nonfinite in ("error", "skip"), "Config.nonfinite",
-                 f"must be 'error' or 'skip', got {self.nonfinite!r}")
-        _require(_is_int(self.micro_batch_size) and self.micro_batch_size >= 1, "Config.micro_batch_size",
-                 f"must be a positive integer, got {self.micro_batch_size!r}")
-        _require(_is_int(self.grad_accum_steps) and self.grad_accum_steps >= 1, "Config.grad_accum_steps",
-                 f"must be a positive integer, got {self.grad_accum_steps!r}", "use 1 for no accumulation")
-        _require(self.train_batch_size is None or (_is_int(self.train_batch_size) and self.train_batch_size >= 1),
-                 "Config.train_batch_size", f"must be None or a positive integer, got {self.train_batch_size!r}")
-        _require(isinstance(self.grad_clip, (int, float)) and not isinstance(self.grad_clip, bool)
-                 and math.isfinite(self.grad_clip) and self.grad_clip >= 0, "Config.grad_clip",
-                 f"must be a finite number >= 0 (0 disables clipping), got {self.grad_clip!r}")
-        _require(_is_int(self.persistence_threshold) and self.persistence_threshold >= 0,
-                 "Config.persistence_threshold", f"must be an integer >= 0, got {self.persistence_threshold!r}")
-        _require(self.remat in REMAT_POLICIES, "Config.remat", f"unknown remat policy {self.remat!r}",
-                 f"use one of {', '.join(REMAT_POLICIES)}")
-        _require(not (self.zero_stage == 3 and self.remat == "none"), "Config.remat",
-                 "'none' with zero_stage 3 would keep every layer's gathered weights until the backward pass",
-                 "use 'dots' (saves all matmul outputs, the closest to no remat) or 'full'")
-        _require(_is_int(self.prefetch_bucket_size) and self.prefetch_bucket_size >= 0, "Config.prefetch_bucket_size",
-                 f"must be an integer >= 0 (parameter elements per gather group), got {self.prefetch_bucket_size!r}")
-        _require(_is_int(self.max_live_parameters) and self.max_live_parameters >= 0, "Config.max_live_parameters",
-                 f"must be an integer >= 0 (0: never prefetch), got {self.max_live_parameters!r}")
-        _require(_is_int(self.max_reuse_distance) and self.max_reuse_distance >= 0, "Config.max_reuse_distance",
-                 f"must be an integer >= 0 (0: gather a shared parameter at every use), got {self.max_reuse_distance!r}")
-        _require(isinstance(self.quantized_weights, bool), "Config.quantized_weights",
-                 f"must be True or False, got {self.quantized_weights!r}")
-        _require(not (self.quantized_weights and self.zero_stage != 3), "Config.quantized_weights",
-                 f"quantizes ZeRO-3's parameter gathers, but zero_stage is {self.zero_stage}", "set zero_stage = 3")
-        _require(_is_int(self.quantization_block) and 16 <= self.quantization_block <= 65536,
-                 "Config.quantization_block", f"must be an integer in [16, 65536], got {self.quantization_block!r}")
-        _require(_is_int(self.seed), "Config.seed", f"must be an integer, got {self.seed!r}")
-        _require(self.pipeline_schedule in PIPELINE_SCHEDULES, "Config.pipeline_schedule",
-                 f"unknown pipeline schedule {self.pipeline_schedule!r}", f"use one of {', '.join(PIPELINE_SCHEDULES)}")
-        _require(_is_int(self.pipeline_virtual_stages) and self.pipeline_virtual_stages >= 1,
-                 "Config.pipeline_virtual_stages", f"must be a positive integer, got {self.pipeline_virtual_stages!r}")
+        require(isinstance(self.mesh, MeshConfig), "Config.mesh",
+                f"must be a MeshConfig, got {type(self.mesh).__name__}")
+        require(isinstance(self.loss_scale, LossScaleConfig), "Config.loss_scale",
+                f"must be a LossScaleConfig, got {type(self.loss_scale).__name__}")
+        require(is_int(self.zero_stage) and self.zero_stage in (0, 1, 2, 3), "Config.zero_stage",
+                f"must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        require(self.precision in PRECISIONS, "Config.precision",
+                f"unknown precision {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        require(self.nonfinite in ("error", "skip"), "Config.nonfinite",
+                f"must be 'error' or 'skip', got {self.nonfinite!r}")
+        require(is_int(self.micro_batch_size) and self.micro_batch_size >= 1, "Config.micro_batch_size",
+                f"must be a positive integer, got {self.micro_batch_size!r}")
+        require(is_int(self.grad_accum_steps) and self.grad_accum_steps >= 1, "Config.grad_accum_steps",
+                f"must be a positive integer, got {self.grad_accum_steps!r}", "use 1 for no accumulation")
+        require(self.train_batch_size is None or (is_int(self.train_batch_size) and self.train_batch_size >= 1),
+                "Config.train_batch_size", f"must be None or a positive integer, got {self.train_batch_size!r}")
+        require(isinstance(self.grad_clip, (int, float)) and not isinstance(self.grad_clip, bool)
+                and math.isfinite(self.grad_clip) and self.grad_clip >= 0, "Config.grad_clip",
+                f"must be a finite number >= 0 (0 disables clipping), got {self.grad_clip!r}")
+        require(is_int(self.persistence_threshold) and self.persistence_threshold >= 0,
+                "Config.persistence_threshold", f"must be an integer >= 0, got {self.persistence_threshold!r}")
+        require(self.remat in REMAT_POLICIES, "Config.remat", f"unknown remat policy {self.remat!r}",
+                f"use one of {', '.join(REMAT_POLICIES)}")
+        require(not (self.zero_stage == 3 and self.remat == "none"), "Config.remat",
+                "'none' with zero_stage 3 would keep every layer's gathered weights until the backward pass",
+                "use 'dots' (saves all matmul outputs, the closest to no remat) or 'full'")
+        require(is_int(self.prefetch_bucket_size) and self.prefetch_bucket_size >= 0, "Config.prefetch_bucket_size",
+                f"must be an integer >= 0 (parameter elements per gather group), got {self.prefetch_bucket_size!r}")
+        require(is_int(self.max_live_parameters) and self.max_live_parameters >= 0, "Config.max_live_parameters",
+                f"must be an integer >= 0 (0: never prefetch), got {self.max_live_parameters!r}")
+        require(is_int(self.max_reuse_distance) and self.max_reuse_distance >= 0, "Config.max_reuse_distance",
+                f"must be an integer >= 0 (0: gather a shared parameter at every use), got {self.max_reuse_distance!r}")
+        require(isinstance(self.quantized_weights, bool), "Config.quantized_weights",
+                f"must be True or False, got {self.quantized_weights!r}")
+        require(not (self.quantized_weights and self.zero_stage != 3), "Config.quantized_weights",
+                f"quantizes ZeRO-3's parameter gathers, but zero_stage is {self.zero_stage}", "set zero_stage = 3")
+        require(is_int(self.quantization_block) and 16 <= self.quantization_block <= 65536,
+                "Config.quantization_block", f"must be an integer in [16, 65536], got {self.quantization_block!r}")
+        require(is_int(self.seed), "Config.seed", f"must be an integer, got {self.seed!r}")
+        require(self.pipeline_schedule in PIPELINE_SCHEDULES, "Config.pipeline_schedule",
+                f"unknown pipeline schedule {self.pipeline_schedule!r}", f"use one of {', '.join(PIPELINE_SCHEDULES)}")
+        require(is_int(self.pipeline_virtual_stages) and self.pipeline_virtual_stages >= 1,
+                "Config.pipeline_virtual_stages", f"must be a positive integer, got {self.pipeline_virtual_stages!r}")
         interleaved = self.pipeline_schedule == "interleaved"
-        _require(interleaved == (self.pipeline_virtual_stages > 1), "Config.pipeline_virtual_stages",
-                 f"{self.pipeline_virtual_stages} virtual stages with the {self.pipeline_schedule!r} schedule: "
-                 "only 'interleaved' runs several chunks per device, and it needs at least 2",
-                 "set pipeline_schedule='interleaved' with pipeline_virtual_stages >= 2, or virtual stages 1")
-        _require(PIPE not in self.mesh.axes or self.mesh.axes[PIPE] != -1, f"MeshConfig.axes['{PIPE}']",
-                 "the pipe axis needs an explicit size (the schedule depends on it)", "e.g. {'pipe': 2}")
+        require(interleaved == (self.pipeline_virtual_stages > 1), "Config.pipeline_virtual_stages",
+                f"{self.pipeline_virtual_stages} virtual stages with the {self.pipeline_schedule!r} schedule: "
+                "only 'interleaved' runs several chunks per device, and it needs at least 2",
+                "set pipeline_schedule='interleaved' with pipeline_virtual_stages >= 2, or virtual stages 1")
+        require(PIPE not in self.mesh.axes or self.mesh.axes[PIPE] != -1, f"MeshConfig.axes['{PIPE}']",
+                "the pipe axis needs an explicit size (the schedule depends on it)", "e.g. {'pipe': 2}")
         stages = self.mesh.axes.get(PIPE, 1)
         if stages > 1:
             M = self.grad_accum_steps
-            _require(not (self.pipeline_schedule == "1f1b" and M < stages), "Config.grad_accum_steps",
-                     f"1f1b with {stages} stages needs at least {stages} micro-batches, got {M}",
-                     f"set grad_accum_steps >= {stages} (more micro-batches shrink the bubble too), or use gpipe")
-            _require(not (interleaved and M % stages), "Config.grad_accum_steps",
-                     f"the interleaved schedule needs micro-batches divisible by the {stages} stages, got {M}",
-                     f"use a multiple of {stages}")
-        _require(isinstance(self.sequence_parallel, bool), "Config.sequence_parallel",
-                 f"must be True or False, got {self.sequence_parallel!r}")
-        _require(isinstance(self.offload_optimizer, OffloadOptimizerConfig), "Config.offload_optimizer",
-                 f"must be an OffloadOptimizerConfig, got {type(self.offload_optimizer).__name__}")
-        _require(isinstance(self.offload_param, OffloadParamConfig), "Config.offload_param",
-                 f"must be an OffloadParamConfig, got {type(self.offload_param).__name__}")
-        _require(not (self.offload_optimizer.enabled and self.zero_stage == 0), "OffloadOptimizerConfig.device",
-                 "offloads the partitioned optimizer state, but zero_stage is 0", "set zero_stage to 1, 2 or 3")
-        _require(not (self.offload_param.enabled and self.zero_stage != 3), "OffloadParamConfig.device",
-                 f"offloads ZeRO-3's partitioned parameters, but zero_stage is {self.zero_stage}", "set zero_stage = 3")
-        _require(not (self.offload_param.enabled and not self.offload_optimizer.enabled), "OffloadParamConfig.device",
-                 "streams the fp32 master weights from the host, where only offload_optimizer keeps them",
-                 "set OffloadOptimizerConfig.device = 'cpu' too")
-        _require(not (self.offload_param.enabled and self.offload_param.pin_memory != self.offload_optimizer.pin_memory),
-                 "OffloadParamConfig.pin_memory", "the streamed parameters are the optimizer's master weights, which "
-                 f"use OffloadOptimizerConfig.pin_memory={self.offload_optimizer.pin_memory}", "set both alike")
-        _require(not (self.offload_param.enabled and self.offload_optimizer.predicts),
-                 "OffloadOptimizerConfig.delayed_update_prediction", "predicts the device's compute copy of the "
-                 "parameters, but offload_param streams them from the host's master weights, which are not predicted",
-                 "set delayed_update_prediction = 'none' (DeepSpeed's DPU), or offload_param 'none'")
-        _require(not (self.offload_param.enabled and stages > 1), "OffloadParamConfig.device",
-                 "streaming parameters into pipeline stages is not built", "use a pipe axis of 1, or offload_param 'none'")
+            require(not (self.pipeline_schedule == "1f1b" and M < stages), "Config.grad_accum_steps",
+                    f"1f1b with {stages} stages needs at least {stages} micro-batches, got {M}",
+                    f"set grad_accum_steps >= {stages} (more micro-batches shrink the bubble too), or use gpipe")
+            require(not (interleaved and M % stages), "Config.grad_accum_steps",
+                    f"the interleaved schedule needs micro-batches divisible by the {stages} stages, got {M}",
+                    f"use a multiple of {stages}")
+        require(isinstance(self.sequence_parallel, bool), "Config.sequence_parallel",
+                f"must be True or False, got {self.sequence_parallel!r}")
+        require(isinstance(self.offload_optimizer, OffloadOptimizerConfig), "Config.offload_optimizer",
+                f"must be an OffloadOptimizerConfig, got {type(self.offload_optimizer).__name__}")
+        require(isinstance(self.offload_param, OffloadParamConfig), "Config.offload_param",
+                f"must be an OffloadParamConfig, got {type(self.offload_param).__name__}")
+        require(not (self.offload_optimizer.enabled and self.zero_stage == 0), "OffloadOptimizerConfig.device",
+                "offloads the partitioned optimizer state, but zero_stage is 0", "set zero_stage to 1, 2 or 3")
+        require(not (self.offload_param.enabled and self.zero_stage != 3), "OffloadParamConfig.device",
+                f"offloads ZeRO-3's partitioned parameters, but zero_stage is {self.zero_stage}", "set zero_stage = 3")
+        require(not (self.offload_param.enabled and not self.offload_optimizer.enabled), "OffloadParamConfig.device",
+                "streams the fp32 master weights from the host, where only offload_optimizer keeps them",
+                "set OffloadOptimizerConfig.device = 'cpu' too")
+        require(not (self.offload_param.enabled and self.offload_param.pin_memory != self.offload_optimizer.pin_memory),
+                "OffloadParamConfig.pin_memory", "the streamed parameters are the optimizer's master weights, which "
+                f"use OffloadOptimizerConfig.pin_memory={self.offload_optimizer.pin_memory}", "set both alike")
+        require(not (self.offload_param.enabled and self.offload_optimizer.predicts),
+                "OffloadOptimizerConfig.delayed_update_prediction", "predicts the device's compute copy of the "
+                "parameters, but offload_param streams them from the host's master weights, which are not predicted",
+                "set delayed_update_prediction = 'none' (DeepSpeed's DPU), or offload_param 'none'")
+        require(not (self.offload_param.enabled and stages > 1), "OffloadParamConfig.device",
+                "streaming parameters into pipeline stages is not built", "use a pipe axis of 1, or offload_param 'none'")
         rules = tuple(tuple(rule) for rule in self.logical_rules)
         for rule in rules:
-            _require(len(rule) == 2 and isinstance(rule[0], str) and (rule[1] is None or isinstance(rule[1], str)),
-                     "Config.logical_rules", f"each rule must be (logical_name, mesh_axis_or_None), got {rule!r}")
-            _require(rule[1] is None or rule[1] in self.mesh.axes, "Config.logical_rules",
-                     f"rule {rule!r} maps to mesh axis {rule[1]!r}, which MeshConfig.axes does not define")
-            _require(rule[1] != "data", "Config.logical_rules",
-                     f"rule {rule!r} maps to 'data'; the data axis is reserved for ZeRO partitioning")
+            require(len(rule) == 2 and isinstance(rule[0], str) and (rule[1] is None or isinstance(rule[1], str)),
+                    "Config.logical_rules", f"each rule must be (logical_name, mesh_axis_or_None), got {rule!r}")
+            require(rule[1] is None or rule[1] in self.mesh.axes, "Config.logical_rules",
+                    f"rule {rule!r} maps to mesh axis {rule[1]!r}, which MeshConfig.axes does not define")
+            require(rule[1] != "data", "Config.logical_rules",
+                    f"rule {rule!r} maps to 'data'; the data axis is reserved for ZeRO partitioning")
         object.__setattr__(self, "logical_rules", rules)
         aliases = (self.data_axis_aliases,) if isinstance(self.data_axis_aliases, str) else self.data_axis_aliases
-        _require(isinstance(aliases, (tuple, list)) and all(isinstance(a, str) and a for a in aliases),
-                 "Config.data_axis_aliases", f"must be a tuple of axis names, got {self.data_axis_aliases!r}")
+        require(isinstance(aliases, (tuple, list)) and all(isinstance(a, str) and a for a in aliases),
+                "Config.data_axis_aliases", f"must be a tuple of axis names, got {self.data_axis_aliases!r}")
         clash = [a for a in aliases if a in self.mesh.axes]
-        _require(not clash, "Config.data_axis_aliases", f"{clash[0] if clash else ''!r} is a mesh axis already",
-                 "list only names the model uses that the mesh does not define")
+        require(not clash, "Config.data_axis_aliases", f"{clash[0] if clash else ''!r} is a mesh axis already",
+                "list only names the model uses that the mesh does not define")
         object.__setattr__(self, "data_axis_aliases", tuple(aliases))
 
     @property

@@ -17,6 +17,12 @@ Three inputs besides the JSON decide what it does not say (docs/from_deepspeed.m
     "auto" in the optimizer and scheduler blocks and ZeRO-3's bucket sizes, by Hugging Face's rules.
 Batch sizes follow DeepSpeed's rule over the data-parallel size: `world_size` if given (the mesh then has
 exactly that many data devices), else the data axis of `base.mesh` over all devices.
+
+This module is the entry: loading the JSON, the result, building the Config, gin's bindings. Each block has
+its reader: deepspeed_precision (fp16, bf16), deepspeed_zero (zero_optimization, its offload blocks),
+deepspeed_runtime (batch sizes, gradient_clipping, activation_checkpointing, tensor_parallel),
+deepspeed_optimizer, deepspeed_scheduler, deepspeed_sparse (sparse_attention); they record the settings they
+decide in a deepspeed_settings.Settings.
 """
 from __future__ import annotations
 
@@ -25,49 +31,24 @@ import json
 import math
 import os
 import re
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from zeroflax import deepspeed_keys as keys
-from zeroflax.deepspeed_keys import (as_block, as_bool, as_int, as_number, check_block, check_params, is_number,
-                                     join)
-from zeroflax.config import (Config, ConfigError, LossScaleConfig, MeshConfig, OffloadOptimizerConfig,
-                             OffloadParamConfig)
+from zeroflax.config import Config, ConfigError, MeshConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zeroflax.deepspeed_keys import as_int, check_block
+from zeroflax.deepspeed_optimizer import build_optimizer, read_optimizer
+from zeroflax.deepspeed_precision import read_precision
+from zeroflax.deepspeed_runtime import read_batch, read_clipping, read_remat, read_tensor_parallel
+from zeroflax.deepspeed_scheduler import read_scheduler
+from zeroflax.deepspeed_settings import Settings
+from zeroflax.deepspeed_sparse import SparseAttention, make_sparsity, read_sparse_attention
+from zeroflax.deepspeed_zero import read_zero
 from zeroflax.optim import schedules
-from zeroflax.optim.onebit import onebit_adam
-
-AUTO = "auto"
-
-
-# --------------------------------------------------------------------------------------- zeroflax settings
-class _Settings:
-    """The zeroflax settings the JSON decides, by gin-style name ('Config.zero_stage'), and where each came
-    from. `bound` values (gin) win over DeepSpeed's defaults and "auto"; a value the JSON writes must equal them."""
-
-    def __init__(self, bound: Mapping[str, Any]):
-        self.bound = dict(bound or {})
-        self.values: dict[str, Any] = {}
-
-    def set(self, name: str, value, path: str, written: bool = True):
-        if name in self.bound:
-            if written and self.bound[name] != value:
-                raise ConfigError(path, f"gives {value!r} but {name} is bound to {self.bound[name]!r} elsewhere "
-                                  "(gin)", f"remove one of the two, or make them agree")
-            value = self.bound[name]
-        self.values[name] = value
-        return value
 
 
 # ------------------------------------------------------------------------------------------------ result
-class SparseAttention(NamedTuple):
-    mode: str
-    cls: str  # a zeroflax.kernels.sparsity_config class name
-    kwargs: dict  # its arguments, all but num_heads
-
-
 @dataclasses.dataclass(frozen=True)
 class DeepSpeedImport:
     """What `from_deepspeed` returns; `config, optimizer = result` unpacks the first two.
@@ -132,465 +113,6 @@ def load_json(source) -> tuple[dict, str]:
     if not isinstance(ds, dict):
         raise ConfigError(path, f"must hold a JSON object, got {type(ds).__name__}")
     return ds, path
-
-
-# ------------------------------------------------------------------------------------------- the blocks
-def _precision(ds: dict, settings: _Settings, base: Config | None, notes: list) -> str:
-    fp16 = as_block(ds.get("fp16", {}), "fp16")
-    if "bf16" in ds and "bfloat16" in ds:
-        raise ConfigError("bfloat16", "given together with bf16 (its new name)", "keep bf16")
-    bf16_key = "bfloat16" if "bfloat16" in ds else "bf16"
-    bf16 = as_block(ds.get(bf16_key, {}), bf16_key)
-    check_block(fp16, "fp16", notes)
-    check_block(bf16, bf16_key, notes)
-
-    def enabled(block, name, path):
-        value = block.get("enabled", False)
-        if value == AUTO:  # Hugging Face: from --fp16 / --bf16; here from the base Config (gin's Config)
-            precision = settings.bound.get("Config.precision", base.precision if base else None)
-            if precision is None:
-                raise ConfigError(path, "'auto' needs the precision from somewhere",
-                                  "write true or false, or pass base=Config(precision=...)")
-            notes.append(f"{path}: 'auto' resolved to {precision == name} (precision {precision!r})")
-            return precision == name
-        return as_bool(value, path)
-
-    use_fp16, use_bf16 = enabled(fp16, "fp16", "fp16.enabled"), enabled(bf16, "bf16", f"{bf16_key}.enabled")
-    if use_fp16 and use_bf16:
-        raise ConfigError(f"{bf16_key}.enabled", "fp16 and bf16 are both enabled", "enable one of them")
-    precision = "fp16" if use_fp16 else "bf16" if use_bf16 else "fp32"
-    # Written: the JSON enables one explicitly (a bare "enabled": false leaves the precision to gin or fp32).
-    written = (use_fp16 and fp16.get("enabled") is True) or (use_bf16 and bf16.get("enabled") is True)
-    path = f"{bf16_key}.enabled" if use_bf16 else "fp16.enabled"
-    precision = settings.set("Config.precision", precision, path, written=written)
-    if precision == "fp16":
-        fields = {"loss_scale": (lambda v, p: as_number(v, p, 0.0)),
-                  "initial_scale_power": (lambda v, p: as_int(v, p, 0)),
-                  "loss_scale_window": (lambda v, p: as_int(v, p, 1)),
-                  "hysteresis": (lambda v, p: as_int(v, p, 1)),
-                  "consecutive_hysteresis": as_bool,
-                  "min_loss_scale": (lambda v, p: as_number(v, p, 0.0))}
-        for field, read in fields.items():
-            path, default = f"fp16.{field}", getattr(LossScaleConfig(), field)  # DeepSpeed's defaults are these
-            value = fp16.get(field, AUTO)
-            written = field in fp16 and value != AUTO
-            settings.set(f"LossScaleConfig.{field}", read(value, path) if written else default, path, written)
-    return precision
-
-
-def _zero(ds: dict, settings: _Settings, hidden_size: int | None, notes: list) -> int:
-    zero = ds.get("zero_optimization", {})
-    if isinstance(zero, bool):  # DeepSpeed's old form
-        notes.append("zero_optimization: true/false is DeepSpeed's old form of stage 1/0")
-        zero = {"stage": int(zero)}
-    zero = as_block(zero, "zero_optimization")
-    check_block(zero, "zero_optimization", notes)
-
-    def read(path, value, read_fn, default, auto_value=None):
-        if value == AUTO:
-            value = default if auto_value is None else auto_value
-            notes.append(f"{path}: 'auto' resolved to {value}")
-            return value, False
-        return read_fn(value, path), True
-
-    stage, written = read("zero_optimization.stage", zero.get("stage", 0),
-                          lambda v, p: as_int(v, p, 0, integral_float=True), 0)
-    written = written and "stage" in zero
-    if stage > 3:
-        raise ConfigError("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage}")
-    stage = settings.set("Config.zero_stage", stage, "zero_optimization.stage", written)
-
-    # ZeRO-3's sizes: stage3_ names (DeepSpeed's aliases) or the field names; "auto" by Hugging Face's rule.
-    h = hidden_size
-    sizes = [("param_persistence_threshold", "Config.persistence_threshold", 100_000, 10 * h if h else None),
-             ("prefetch_bucket_size", "Config.prefetch_bucket_size", 50_000_000, int(0.9 * h * h) if h else None),
-             ("max_live_parameters", "Config.max_live_parameters", 1_000_000_000, None),
-             ("max_reuse_distance", "Config.max_reuse_distance", 1_000_000_000, None)]
-    for field, name, default, auto in sizes:
-        given = [k for k in (f"stage3_{field}", field) if k in zero]
-        if len(given) == 2:
-            raise ConfigError(f"zero_optimization.{field}", f"given twice, also as stage3_{field}", "keep one")
-        path = f"zero_optimization.{given[0] if given else 'stage3_' + field}"
-        value, written = read(path, zero.get(given[0], default) if given else default,
-                              lambda v, p: as_int(v, p, 0, integral_float=True), default, auto)
-        settings.set(name, value, path, written and bool(given))
-
-    quantized = zero.get("zero_quantized_weights", False)
-    settings.set("Config.quantized_weights", as_bool(quantized, "zero_optimization.zero_quantized_weights"),
-                 "zero_optimization.zero_quantized_weights", "zero_quantized_weights" in zero)
-
-    for kind, legacy, cls in (("offload_optimizer", "cpu_offload", OffloadOptimizerConfig),
-                              ("offload_param", "cpu_offload_param", OffloadParamConfig)):
-        prefix = f"zero_optimization.{kind}"
-        block = zero.get(kind)
-        if legacy in zero:
-            if as_bool(zero[legacy], f"zero_optimization.{legacy}") and block is not None:
-                raise ConfigError(f"zero_optimization.{legacy}", f"given together with {kind}, which replaces it",
-                                  f"keep {kind}")
-            if zero[legacy]:
-                notes.append(f"zero_optimization.{legacy}: deprecated, read as {kind}.device 'cpu'")
-                block = {"device": "cpu"}
-        block = as_block(block if block is not None else {}, prefix)
-        check_block(block, prefix, notes)
-        device = block.get("device", "none")
-        if device == "nvme":
-            raise ConfigError(f"{prefix}.device", "'nvme' (ZeRO-Infinity) is refused: JAX has no NVMe memory kind",
-                              "use 'cpu'")
-        if device not in ("none", "cpu"):
-            raise ConfigError(f"{prefix}.device", f"unknown device {device!r}", "use 'none' or 'cpu'")
-        short = cls.__name__
-        written = "device" in block or legacy in zero
-        settings.set(f"{short}.device", device, f"{prefix}.device", written)
-        settings.set(f"{short}.pin_memory", as_bool(block.get("pin_memory", True), f"{prefix}.pin_memory"),
-                     f"{prefix}.pin_memory", "pin_memory" in block)
-    return stage
-
-
-def _batch(ds: dict, settings: _Settings, base: Config | None, data_size: int, notes: list) -> None:
-    """DeepSpeed's rule (runtime/config.py, _set_batch_related_parameters): any two of train_batch_size,
-    train_micro_batch_size_per_gpu, gradient_accumulation_steps give the third; train_batch_size alone means
-    no accumulation; micro alone means train = micro x world; then train == micro x accumulation x world."""
-    names = {"train_batch_size": "Config.train_batch_size", "train_micro_batch_size_per_gpu": "Config.micro_batch_size",
-             "gradient_accumulation_steps": "Config.grad_accum_steps"}
-    base_values = {"train_micro_batch_size_per_gpu": base.micro_batch_size if base else None,
-                   "gradient_accumulation_steps": base.grad_accum_steps if base else None}
-    given: dict[str, int | None] = {}
-    written: dict[str, bool] = {}
-    for key, name in names.items():
-        value = ds.get(key)
-        written[key] = value is not None and value != AUTO
-        if value == AUTO or value is None:
-            # "auto" (or absent): gin's binding, else for the per-device keys the base Config (Hugging Face's
-            # per_device_train_batch_size / gradient_accumulation_steps role; only for "auto"), else derived.
-            value = settings.bound.get(name)
-            if value is None and ds.get(key) == AUTO:
-                value = base_values.get(key)
-            if value is not None:
-                notes.append(f"{key}: {'auto' if ds.get(key) == AUTO else 'absent'}, {value} from "
-                             f"{'gin' if name in settings.bound else 'the base Config'}")
-        else:
-            value = as_int(value, key, 1)
-        given[key] = value
-    train, micro, accum = (given[k] for k in names)
-    n = data_size
-    if train is not None and micro is not None and accum is not None:
-        pass  # all three given: their product is checked below
-    elif train is not None and micro is not None:
-        accum = train // micro // n
-    elif train is not None and accum is not None:
-        micro = train // n // accum
-    elif micro is not None and accum is not None:
-        train = micro * accum * n
-    elif train is not None:
-        accum, micro = 1, train // n
-    elif micro is not None:
-        train, accum = micro * n, 1
-    else:
-        raise ConfigError("train_batch_size", "neither train_batch_size nor train_micro_batch_size_per_gpu is "
-                          "given (or resolvable from 'auto')", "write train_micro_batch_size_per_gpu, or pass "
-                          "base=Config(micro_batch_size=...) to resolve 'auto'")
-    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
-        if value < 1:
-            raise ConfigError(key, f"derives to {value}: train_batch_size {train} does not split over {n} "
-                              "data-parallel devices", "pass world_size= (the world size the JSON was written for), "
-                              "or write the per-device keys")
-    if train != micro * accum * n:
-        raise ConfigError("train_batch_size", f"{train} != train_micro_batch_size_per_gpu {micro} x "
-                          f"gradient_accumulation_steps {accum} x {n} data-parallel devices",
-                          "change one of them, or pass world_size= (the world size the JSON was written for)")
-    for key, value in zip(names, (train, micro, accum)):
-        settings.set(names[key], value, key, written[key])
-
-
-def _clipping(ds: dict, settings: _Settings, base: Config | None, notes: list) -> None:
-    value = ds.get("gradient_clipping", None)
-    if value == AUTO:
-        resolved = settings.bound.get("Config.grad_clip", base.grad_clip if base else None)
-        if resolved is None:
-            raise ConfigError("gradient_clipping", "'auto' needs a value from somewhere",
-                              "write a number (0 disables clipping), or pass base=Config(grad_clip=...)")
-        notes.append(f"gradient_clipping: 'auto' resolved to {resolved}")
-        settings.set("Config.grad_clip", resolved, "gradient_clipping", written=False)
-    elif value is None:  # DeepSpeed clips at 1.0 unless told otherwise (GRADIENT_CLIPPING_DEFAULT)
-        settings.set("Config.grad_clip", 1.0, "gradient_clipping", written=False)
-    else:
-        settings.set("Config.grad_clip", as_number(value, "gradient_clipping"), "gradient_clipping")
-
-
-def _remat(ds: dict, settings: _Settings, notes: list) -> str | None:
-    """An activation_checkpointing block: DeepSpeed checkpoints each layer and recomputes it in the backward
-    pass; Config.remat 'full' does that for each scanned layer and gather group. Without the block the
-    model decides in DeepSpeed (Megatron's --checkpoint-activations), so Config.remat stays as it is."""
-    if "activation_checkpointing" not in ds:
-        return None
-    block = as_block(ds["activation_checkpointing"], "activation_checkpointing")
-    check_block(block, "activation_checkpointing", notes)
-    return settings.set("Config.remat", "full", "activation_checkpointing")
-
-
-def _tensor(ds: dict, settings: _Settings, axes: dict, notes: list) -> dict:
-    block = as_block(ds.get("tensor_parallel", {}), "tensor_parallel")
-    check_block(block, "tensor_parallel", notes)
-    if "autotp_size" in block:
-        size = max(1, as_int(block["autotp_size"], "tensor_parallel.autotp_size", 0))
-        bound = settings.bound.get("MeshConfig.axes", {}).get("tensor")
-        if bound is not None and bound != size:
-            raise ConfigError("tensor_parallel.autotp_size", f"gives a tensor axis of {size} but MeshConfig.axes is "
-                              f"bound with tensor {bound} elsewhere (gin)", "remove one of the two, or make them agree")
-        axes = {**axes, "tensor": size}
-    return axes
-
-
-def _sparse(ds: dict, notes: list) -> SparseAttention | None:
-    if "sparse_attention" not in ds:
-        return None
-    block = as_block(ds["sparse_attention"], "sparse_attention")
-    mode = block.get("mode", "fixed")  # DeepSpeed's default mode
-    if not isinstance(mode, str) or mode not in keys.SPARSE_MODES:
-        raise ConfigError("sparse_attention.mode", f"unknown mode {mode!r}", f"use one of {', '.join(keys.SPARSE_MODES)}")
-    cls, takes = keys.SPARSE_MODES[mode]
-    check_params(block, "sparse_attention", {"mode": None, **takes}, {}, notes, f"sparse_attention mode {mode!r}")
-    kwargs = {k: block.get(k, default) for k, default in takes.items()}
-    sparse = SparseAttention(mode, cls, kwargs)
-    try:  # the class checks its arguments; one head suffices to check them now
-        make_sparsity(sparse, 1)
-    except (ValueError, TypeError) as error:
-        message = str(error).splitlines()[0]
-        # The classes name the argument at fault first: key the error by the earliest key in the message.
-        found = [(m.start(), k) for k in kwargs for m in [re.search(rf"\b{k}\b", message)] if m]
-        raise ConfigError(f"sparse_attention.{min(found)[1]}" if found else "sparse_attention", message) from None
-    return sparse
-
-
-def make_sparsity(sparse: SparseAttention, num_heads: int):
-    from zeroflax.kernels import sparsity_config
-    return getattr(sparsity_config, sparse.cls)(num_heads=num_heads, **sparse.kwargs)
-
-
-# ----------------------------------------------------------------------------------------- the optimizer
-class _Moments(NamedTuple):
-    mu: Any
-    nu: Any
-
-
-def _scale_by_adam_without_bias_correction(b1, b2, eps) -> optax.GradientTransformation:
-    """Adam's moments without bias correction (FusedAdam's bias_correction=False): m / (sqrt(v) + eps)."""
-
-    def init(params):
-        zeros = lambda: jax.tree.map(jnp.zeros_like, params)
-        return _Moments(zeros(), zeros())
-
-    def update(updates, state, params=None):
-        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, updates)
-        out = jax.tree.map(lambda m, v: (m / (jnp.sqrt(v) + eps)).astype(m.dtype), mu, nu)
-        return out, _Moments(mu, nu)
-
-    return optax.GradientTransformation(init, update)
-
-
-def deepspeed_adam(learning_rate, b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool = True,
-                   bias_correction: bool = True) -> optax.GradientTransformation:
-    """DeepSpeed's Adam family (FusedAdam, DeepSpeedCPUAdam, torch Adam/AdamW): eps outside the square root;
-    `decoupled`: AdamW's weight decay (lr x wd x p) else L2 (wd x p added to the gradient first)."""
-    scale = optax.scale_by_adam(b1, b2, eps) if bias_correction else _scale_by_adam_without_bias_correction(b1, b2, eps)
-    decay = optax.add_decayed_weights(weight_decay)
-    parts = (scale, decay) if decoupled else (decay, scale)
-    return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
-
-
-def _betas(value, path):
-    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)):
-        raise ConfigError(path, f"must be two numbers in [0, 1), got {value!r}")
-    return float(value[0]), float(value[1])
-
-
-def _optimizer_params(ds: dict, kind: str, kw: dict, notes: list) -> dict:
-    """The optimizer block's params with "auto" resolved and DeepSpeed's defaults filled in."""
-    params = as_block(ds["optimizer"].get("params", {}), "optimizer.params")
-    if kind == "onebitadam":
-        takes, moot = keys.ONEBIT_PARAMS, keys.ONEBIT_MOOT
-    else:
-        takes, moot = keys.ADAM_PARAMS, keys.ADAM_MOOT
-    if "max_grad_norm" in params:  # DeepSpeed raises too (_configure_basic_optimizer)
-        raise ConfigError("optimizer.params.max_grad_norm", "refused, as DeepSpeed does", "use gradient_clipping")
-    check_params(params, "optimizer.params", takes, moot, notes, f"optimizer {ds['optimizer']['type']!r}")
-    for key, refused in (("fp32_optimizer_states", False), ("maximize", True)):
-        if key in params and params[key] is refused:
-            raise ConfigError(f"optimizer.params.{key}", f"refused: {key} = {refused}", f"set it {not refused}")
-    out = {}
-    resolve = {"lr": "learning_rate", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
-    for key, default in takes.items():
-        path = f"optimizer.params.{key}"
-        value = params.get(key, default)
-        if value == AUTO:
-            keyword = resolve.get(key)
-            if keyword is None or kw.get(keyword) is None:
-                raise ConfigError(path, "'auto' has nothing to resolve it",
-                                  f"write a value, or pass {keyword}=" if keyword else "write a value")
-            value = kw[keyword]
-            notes.append(f"{path}: 'auto' resolved to {value!r} ({keyword}=)")
-        out[key] = value
-    if kind != "onebitadam" and out["torch_adam"] is True and "weight_decay" not in params:
-        decoupled = kind == "adamw" or out["adam_w_mode"] is not False
-        out["weight_decay"] = 0.01 if decoupled else 0.0  # torch.optim.AdamW's default weight decay is 0.01
-    return out
-
-
-def _optimizer_spec(ds: dict, kw: dict, notes: list) -> tuple[str, dict] | None:
-    """The optimizer block read and checked: (kind, params with "auto" resolved and DeepSpeed's defaults)."""
-    if "optimizer" not in ds:
-        return None
-    block = as_block(ds["optimizer"], "optimizer")
-    check_block(block, "optimizer", notes)
-    if "type" not in block:
-        raise ConfigError("optimizer.type", "missing", "e.g. \"AdamW\"")
-    name = block["type"]
-    if not isinstance(name, str):
-        raise ConfigError("optimizer.type", f"must be a name, got {name!r}", "e.g. \"AdamW\"")
-    kind = name.lower()  # DeepSpeed lower-cases the names of its own optimizers
-    if kind in keys.OPTIMIZERS_REFUSED:
-        raise ConfigError("optimizer.type", f"{name!r} is refused: {keys.OPTIMIZERS_REFUSED[kind]}",
-                          "use Adam, AdamW or OneBitAdam, or pass your own optax optimizer (drop the block)")
-    if kind not in ("adam", "adamw", "onebitadam"):
-        raise ConfigError("optimizer.type", f"{name!r} is not mapped (DeepSpeed would build torch.optim.{name})",
-                          "use Adam, AdamW or OneBitAdam, or pass your own optax optimizer (drop the block)")
-    p = _optimizer_params(ds, kind, kw, notes)
-    path = "optimizer.params."
-    p["lr"] = as_number(p["lr"], path + "lr")
-    p["betas"] = _betas(p["betas"], path + "betas")
-    p["eps"] = as_number(p["eps"], path + "eps")
-    p["weight_decay"] = as_number(p["weight_decay"], path + "weight_decay")
-    if as_bool(p["amsgrad"], path + "amsgrad"):
-        raise ConfigError(path + "amsgrad", "refused: AMSGrad is not built (DeepSpeed's fused and 1-bit Adam refuse "
-                          "it too)", "set it false")
-    if kind == "onebitadam":
-        p["freeze_step"] = as_int(p["freeze_step"], path + "freeze_step", 0)
-    else:
-        for key in ("torch_adam", "adam_w_mode", "bias_correction"):
-            p[key] = as_bool(p[key], path + key)
-        if p["torch_adam"] and "bias_correction" in ds["optimizer"].get("params", {}):
-            raise ConfigError(path + "bias_correction", "torch.optim.Adam(W) (torch_adam) takes no bias_correction",
-                              "remove it, or torch_adam")
-    return kind, p
-
-
-def _optimizer(spec, schedule, stage: int, precision: str, default_optimizer, notes: list):
-    """(optimizer, hyperparameters). `schedule`: the lr as a function of the count, or None (constant lr)."""
-    if spec is None:
-        if default_optimizer is None:
-            notes.append("optimizer: absent: pass your own optimizer to zeroflax.initialize (DeepSpeed's client "
-                         "optimizer)")
-            return None, {}
-        return default_optimizer(schedule), {"type": "default_optimizer"}
-    kind, p = spec
-    learning_rate = schedule if schedule is not None else p["lr"]
-    b1, b2 = p["betas"]
-    if kind == "onebitadam":
-        refusals = [(stage == 3, "zero_optimization.stage", "stage 3 never holds the local gradient 1-bit Adam "
-                     "compresses", "use stage 0, 1 or 2"),
-                    (precision == "fp16", "fp16.enabled", "an fp16 overflow would have to roll back every device's "
-                     "error buffers, which is not built", "use bf16 or fp32")]
-        for refused, key, why, fix in refusals:
-            if refused:
-                raise ConfigError(key, f"refused with OneBitAdam: {why}", fix)
-        if stage:
-            notes.append(f"optimizer.type: OneBitAdam at ZeRO stage {stage}: DeepSpeed forbids it, zeroflax "
-                         "compresses each device's ZeRO shard (docs/onebit_adam.md)")
-        notes.append("optimizer.type: OneBitAdam: after freeze_step, gradient_clipping scales every device's local "
-                     "gradient by one factor from the mean gradient's norm (estimated by an all-reduced sketch); "
-                     "DeepSpeed clips each local gradient by its own norm, which is onebit_adam(local_clip=True) "
-                     "(docs/onebit_adam.md)")
-        optimizer = onebit_adam(learning_rate, b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"],
-                                freeze_step=p["freeze_step"])
-        return optimizer, dict(type="OneBitAdam", lr=p["lr"], b1=b1, b2=b2, eps=p["eps"],
-                               weight_decay=p["weight_decay"], freeze_step=p["freeze_step"])
-    # DeepSpeed: type "Adam" is AdamW (decoupled weight decay) unless adam_w_mode is false; "AdamW" always.
-    decoupled = kind == "adamw" or p["adam_w_mode"]
-    optimizer = optax.inject_hyperparams(deepspeed_adam, static_args=("decoupled", "bias_correction"))(
-        learning_rate=learning_rate, b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"], decoupled=decoupled,
-        bias_correction=p["bias_correction"])
-    return optimizer, dict(type="AdamW" if decoupled else "Adam", lr=p["lr"], b1=b1, b2=b2, eps=p["eps"],
-                           weight_decay=p["weight_decay"], decoupled=decoupled, bias_correction=p["bias_correction"])
-
-
-def _schedule(ds: dict, kw: dict, notes: list):
-    """(a factory lr -> schedule, applied to the optimizer's lr; or None without scheduler block)."""
-    if "scheduler" not in ds:
-        return None
-    block = as_block(ds["scheduler"], "scheduler")
-    check_block(block, "scheduler", notes)
-    kind = block.get("type")
-    if not isinstance(kind, str):
-        raise ConfigError("scheduler.type", f"must be a scheduler name, got {kind!r}", "e.g. \"WarmupLR\"")
-    if kind in keys.SCHEDULERS_REFUSED:
-        raise ConfigError("scheduler.type", f"{kind!r} is refused: {keys.SCHEDULERS_REFUSED[kind]}",
-                          "use WarmupLR, WarmupDecayLR, WarmupCosineLR or LRRangeTest")
-    if kind not in keys.SCHEDULER_PARAMS:
-        raise ConfigError("scheduler.type", f"{kind!r} is not a DeepSpeed scheduler zeroflax maps (DeepSpeed would "
-                          "look it up in torch.optim.lr_scheduler)", "use WarmupLR, WarmupDecayLR, WarmupCosineLR or "
-                          "LRRangeTest")
-    takes = keys.SCHEDULER_PARAMS[kind]
-    params = as_block(block.get("params", {}), "scheduler.params")
-    check_params(params, "scheduler.params", takes, {}, notes, f"scheduler {kind!r}")
-    resolve = {"warmup_min_lr": ("0 (Hugging Face's rule)", 0.0), "warmup_max_lr": ("learning_rate=", kw["learning_rate"]),
-               "warmup_num_steps": ("warmup_steps=", kw["warmup_steps"]),
-               "total_num_steps": ("total_steps=", kw["total_steps"])}
-    values = {}
-    for key, default in takes.items():
-        path = f"scheduler.params.{key}"
-        value = params.get(key, default)
-        if value == AUTO:
-            how, resolved = resolve.get(key, (None, None))
-            if resolved is None:
-                raise ConfigError(path, "'auto' has nothing to resolve it",
-                                  f"write a value, or pass {how}" if how else "write a value")
-            value = resolved
-            notes.append(f"{path}: 'auto' resolved to {value!r} ({how})")
-        values[key] = value
-    path = "scheduler.params."
-    if values.pop("last_batch_iteration") != -1:
-        raise ConfigError(path + "last_batch_iteration", "refused: a zeroflax run resumes its schedule from the "
-                          "checkpointed step count", "remove it (-1)")
-    for key, value in values.items():
-        if isinstance(value, (list, tuple)):
-            raise ConfigError(path + key, "a list (one value per torch parameter group) is refused: zeroflax has "
-                              "one group", "give one number")
-    for key in ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size"):
-        if key in values:
-            if values[key] is None:
-                raise ConfigError(path + key, f"missing: {kind} needs it", "write it, or 'auto' with total_steps=")
-            values[key] = as_int(values[key], path + key, 1 if key != "total_num_steps" else 0)
-    if "warmup_type" in values and values["warmup_type"] not in schedules.WARMUP_TYPES:
-        raise ConfigError(path + "warmup_type", f"unknown warm-up {values['warmup_type']!r} (DeepSpeed would fall "
-                          "back to 'log' with a warning)", "use 'log' or 'linear'")
-    for key in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio", "lr_range_test_min_lr",
-                "lr_range_test_step_rate"):
-        if values.get(key) is not None:
-            values[key] = as_number(values[key], path + key, None)
-    if "lr_range_test_staircase" in values:
-        values["lr_range_test_staircase"] = as_bool(values["lr_range_test_staircase"], path + "lr_range_test_staircase")
-    if kw["total_steps"] is not None and values.get("total_num_steps") not in (None, kw["total_steps"]):
-        notes.append(f"scheduler.params.total_num_steps: {values['total_num_steps']}, but training runs "
-                     f"{kw['total_steps']} steps: the schedule follows the JSON")
-
-    def build(lr):
-        # WarmupLR's warmup_max_lr and WarmupCosineLR's base are the optimizer's lr when absent / by design.
-        if kind == "WarmupLR" and values["warmup_max_lr"] is None:
-            if lr is None:
-                raise ConfigError("scheduler.params.warmup_max_lr", "absent, so DeepSpeed takes the optimizer's lr, "
-                                  "which is unknown here", "write warmup_max_lr, or pass learning_rate=")
-            values["warmup_max_lr"] = float(lr)
-        if kind == "WarmupCosineLR":
-            if lr is None:
-                raise ConfigError("optimizer.params.lr", "WarmupCosineLR scales the optimizer's lr, which is unknown "
-                                  "here", "write an optimizer block with lr, or pass learning_rate=")
-            return schedules.warmup_cosine_lr(float(lr), **values)
-        fn = {"WarmupLR": schedules.warmup_lr, "WarmupDecayLR": schedules.warmup_decay_lr,
-              "LRRangeTest": schedules.lr_range_test}[kind]
-        return fn(**values)
-
-    return build
 
 
 # --------------------------------------------------------------------------------------------- the entry
@@ -665,14 +187,14 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
     """
     ds, _ = load_json(source)
     auto_base, base = base, base if base is not None else Config()  # only a given base resolves "auto"
-    settings = _Settings(bound)
+    settings = Settings(bound)
     notes: list[str] = []
     kw = dict(learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps,
               warmup_steps=warmup_steps, total_steps=total_steps)
     check_block(ds, "", notes)
 
     axes = dict(settings.bound.get("MeshConfig.axes", base.mesh.axes))
-    axes = _tensor(ds, settings, axes, notes)
+    axes = read_tensor_parallel(ds, settings, axes, notes)
     if world_size is not None:
         axes["data"] = as_int(world_size, "world_size", 1)
     try:
@@ -680,20 +202,20 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
         data_size = world_size if world_size is not None else mesh.resolve(jax.device_count())["data"]
     except ConfigError as error:
         raise _rekeyed(error) from None
-    precision = _precision(ds, settings, auto_base, notes)
-    stage = _zero(ds, settings, hidden_size, notes)
-    _batch(ds, settings, auto_base, data_size, notes)
-    _clipping(ds, settings, auto_base, notes)
-    remat = _remat(ds, settings, notes)
-    sparse = _sparse(ds, notes)
+    precision = read_precision(ds, settings, auto_base, notes)
+    stage = read_zero(ds, settings, hidden_size, notes)
+    read_batch(ds, settings, auto_base, data_size, notes)
+    read_clipping(ds, settings, auto_base, notes)
+    remat = read_remat(ds, settings, notes)
+    sparse = read_sparse_attention(ds, notes)
 
-    spec = _optimizer_spec(ds, kw, notes)
-    build_schedule = _schedule(ds, kw, notes)
+    spec = read_optimizer(ds, kw, notes)
+    build_schedule = read_scheduler(ds, kw, notes)
     # The lr a scheduler scales (WarmupCosineLR) or defaults to (WarmupLR): the optimizer block's, else the
     # client optimizer's (learning_rate=).
     optimizer_lr = spec[1]["lr"] if spec is not None else learning_rate
     schedule = build_schedule(optimizer_lr) if build_schedule is not None else None
-    optimizer, hyper = _optimizer(spec, schedule, stage, precision, default_optimizer, notes)
+    optimizer, hyper = build_optimizer(spec, schedule, stage, precision, default_optimizer, notes)
     if schedule is None and spec is not None:
         schedule = schedules.constant(spec[1]["lr"])
     try:

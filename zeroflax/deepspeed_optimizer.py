@@ -1,0 +1,167 @@
+"""DeepSpeed's `optimizer` block -> an optax optimizer.
+
+Adam and AdamW become `deepspeed_adam` (the arithmetic of DeepSpeed's FusedAdam, CPU Adam and torch
+Adam/AdamW: eps outside the square root, adam_w_mode, bias_correction, torch_adam) under
+`optax.inject_hyperparams`; OneBitAdam becomes zeroflax.optim.onebit_adam. `read_optimizer` reads and checks
+the block ("auto" resolved from from_deepspeed's keywords); `build_optimizer` builds the optimizer once the
+learning-rate schedule (deepspeed_scheduler.py) is known.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zeroflax import deepspeed_keys as keys
+from zeroflax.config import ConfigError
+from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_block, check_params, is_number
+from zeroflax.deepspeed_settings import AUTO
+from zeroflax.optim.onebit import onebit_adam
+
+
+class _Moments(NamedTuple):
+    mu: Any
+    nu: Any
+
+
+def _scale_by_adam_without_bias_correction(b1, b2, eps) -> optax.GradientTransformation:
+    """Adam's moments without bias correction (FusedAdam's bias_correction=False): m / (sqrt(v) + eps)."""
+
+    def init(params):
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+        return _Moments(zeros(), zeros())
+
+    def update(updates, state, params=None):
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, updates)
+        out = jax.tree.map(lambda m, v: (m / (jnp.sqrt(v) + eps)).astype(m.dtype), mu, nu)
+        return out, _Moments(mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def deepspeed_adam(learning_rate, b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool = True,
+                   bias_correction: bool = True) -> optax.GradientTransformation:
+    """DeepSpeed's Adam family (FusedAdam, DeepSpeedCPUAdam, torch Adam/AdamW): eps outside the square root;
+    `decoupled`: AdamW's weight decay (lr x wd x p) else L2 (wd x p added to the gradient first)."""
+    scale = optax.scale_by_adam(b1, b2, eps) if bias_correction else _scale_by_adam_without_bias_correction(b1, b2, eps)
+    decay = optax.add_decayed_weights(weight_decay)
+    parts = (scale, decay) if decoupled else (decay, scale)
+    return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+
+
+def _betas(value, path):
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(is_number(b) and 0 <= b < 1 for b in value)):
+        raise ConfigError(path, f"must be two numbers in [0, 1), got {value!r}")
+    return float(value[0]), float(value[1])
+
+
+def _optimizer_params(ds: dict, kind: str, kw: dict, notes: list) -> dict:
+    """The optimizer block's params with "auto" resolved and DeepSpeed's defaults filled in."""
+    params = as_block(ds["optimizer"].get("params", {}), "optimizer.params")
+    if kind == "onebitadam":
+        takes, moot = keys.ONEBIT_PARAMS, keys.ONEBIT_MOOT
+    else:
+        takes, moot = keys.ADAM_PARAMS, keys.ADAM_MOOT
+    if "max_grad_norm" in params:  # DeepSpeed raises too (_configure_basic_optimizer)
+        raise ConfigError("optimizer.params.max_grad_norm", "refused, as DeepSpeed does", "use gradient_clipping")
+    check_params(params, "optimizer.params", takes, moot, notes, f"optimizer {ds['optimizer']['type']!r}")
+    for key, refused in (("fp32_optimizer_states", False), ("maximize", True)):
+        if key in params and params[key] is refused:
+            raise ConfigError(f"optimizer.params.{key}", f"refused: {key} = {refused}", f"set it {not refused}")
+    out = {}
+    resolve = {"lr": "learning_rate", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
+    for key, default in takes.items():
+        path = f"optimizer.params.{key}"
+        value = params.get(key, default)
+        if value == AUTO:
+            keyword = resolve.get(key)
+            if keyword is None or kw.get(keyword) is None:
+                raise ConfigError(path, "'auto' has nothing to resolve it",
+                                  f"write a value, or pass {keyword}=" if keyword else "write a value")
+            value = kw[keyword]
+            notes.append(f"{path}: 'auto' resolved to {value!r} ({keyword}=)")
+        out[key] = value
+    if kind != "onebitadam" and out["torch_adam"] is True and "weight_decay" not in params:
+        decoupled = kind == "adamw" or out["adam_w_mode"] is not False
+        out["weight_decay"] = 0.01 if decoupled else 0.0  # torch.optim.AdamW's default weight decay is 0.01
+    return out
+
+
+def read_optimizer(ds: dict, kw: dict, notes: list) -> tuple[str, dict] | None:
+    """The optimizer block read and checked: (kind, params with "auto" resolved and DeepSpeed's defaults)."""
+    if "optimizer" not in ds:
+        return None
+    block = as_block(ds["optimizer"], "optimizer")
+    check_block(block, "optimizer", notes)
+    if "type" not in block:
+        raise ConfigError("optimizer.type", "missing", "e.g. \"AdamW\"")
+    name = block["type"]
+    if not isinstance(name, str):
+        raise ConfigError("optimizer.type", f"must be a name, got {name!r}", "e.g. \"AdamW\"")
+    kind = name.lower()  # DeepSpeed lower-cases the names of its own optimizers
+    if kind in keys.OPTIMIZERS_REFUSED:
+        raise ConfigError("optimizer.type", f"{name!r} is refused: {keys.OPTIMIZERS_REFUSED[kind]}",
+                          "use Adam, AdamW or OneBitAdam, or pass your own optax optimizer (drop the block)")
+    if kind not in ("adam", "adamw", "onebitadam"):
+        raise ConfigError("optimizer.type", f"{name!r} is not mapped (DeepSpeed would build torch.optim.{name})",
+                          "use Adam, AdamW or OneBitAdam, or pass your own optax optimizer (drop the block)")
+    p = _optimizer_params(ds, kind, kw, notes)
+    path = "optimizer.params."
+    p["lr"] = as_number(p["lr"], path + "lr")
+    p["betas"] = _betas(p["betas"], path + "betas")
+    p["eps"] = as_number(p["eps"], path + "eps")
+    p["weight_decay"] = as_number(p["weight_decay"], path + "weight_decay")
+    if as_bool(p["amsgrad"], path + "amsgrad"):
+        raise ConfigError(path + "amsgrad", "refused: AMSGrad is not built (DeepSpeed's fused and 1-bit Adam refuse "
+                          "it too)", "set it false")
+    if kind == "onebitadam":
+        p["freeze_step"] = as_int(p["freeze_step"], path + "freeze_step", 0)
+    else:
+        for key in ("torch_adam", "adam_w_mode", "bias_correction"):
+            p[key] = as_bool(p[key], path + key)
+        if p["torch_adam"] and "bias_correction" in ds["optimizer"].get("params", {}):
+            raise ConfigError(path + "bias_correction", "torch.optim.Adam(W) (torch_adam) takes no bias_correction",
+                              "remove it, or torch_adam")
+    return kind, p
+
+
+def build_optimizer(spec, schedule, stage: int, precision: str, default_optimizer, notes: list):
+    """(optimizer, hyperparameters). `schedule`: the lr as a function of the count, or None (constant lr)."""
+    if spec is None:
+        if default_optimizer is None:
+            notes.append("optimizer: absent: pass your own optimizer to zeroflax.initialize (DeepSpeed's client "
+                         "optimizer)")
+            return None, {}
+        return default_optimizer(schedule), {"type": "default_optimizer"}
+    kind, p = spec
+    learning_rate = schedule if schedule is not None else p["lr"]
+    b1, b2 = p["betas"]
+    if kind == "onebitadam":
+        refusals = [(stage == 3, "zero_optimization.stage", "stage 3 never holds the local gradient 1-bit Adam "
+                     "compresses", "use stage 0, 1 or 2"),
+                    (precision == "fp16", "fp16.enabled", "an fp16 overflow would have to roll back every device's "
+                     "error buffers, which is not built", "use bf16 or fp32")]
+        for refused, key, why, fix in refusals:
+            if refused:
+                raise ConfigError(key, f"refused with OneBitAdam: {why}", fix)
+        if stage:
+            notes.append(f"optimizer.type: OneBitAdam at ZeRO stage {stage}: DeepSpeed forbids it, zeroflax "
+                         "compresses each device's ZeRO shard (docs/onebit_adam.md)")
+        notes.append("optimizer.type: OneBitAdam: after freeze_step, gradient_clipping scales every device's local "
+                     "gradient by one factor from the mean gradient's norm (estimated by an all-reduced sketch); "
+                     "DeepSpeed clips each local gradient by its own norm, which is onebit_adam(local_clip=True) "
+                     "(docs/onebit_adam.md)")
+        optimizer = onebit_adam(learning_rate, b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"],
+                                freeze_step=p["freeze_step"])
+        return optimizer, dict(type="OneBitAdam", lr=p["lr"], b1=b1, b2=b2, eps=p["eps"],
+                               weight_decay=p["weight_decay"], freeze_step=p["freeze_step"])
+    # DeepSpeed: type "Adam" is AdamW (decoupled weight decay) unless adam_w_mode is false; "AdamW" always.
+    decoupled = kind == "adamw" or p["adam_w_mode"]
+    optimizer = optax.inject_hyperparams(deepspeed_adam, static_args=("decoupled", "bias_correction"))(
+        learning_rate=learning_rate, b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"], decoupled=decoupled,
+        bias_correction=p["bias_correction"])
+    return optimizer, dict(type="AdamW" if decoupled else "Adam", lr=p["lr"], b1=b1, b2=b2, eps=p["eps"],
+                           weight_decay=p["weight_decay"], decoupled=decoupled, bias_correction=p["bias_correction"])

@@ -1,0 +1,106 @@
+"""DeepSpeed's top-level training keys (those its runtime/config.py reads itself) -> Config fields.
+
+The batch sizes (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, by
+DeepSpeed's batch rule over the data-parallel size), gradient_clipping, the activation_checkpointing block
+(Config.remat) and tensor_parallel.autotp_size (the mesh's tensor axis).
+"""
+from __future__ import annotations
+
+from zeroflax.config import Config, ConfigError
+from zeroflax.deepspeed_keys import as_block, as_int, as_number, check_block
+from zeroflax.deepspeed_settings import AUTO, Settings
+
+
+def read_batch(ds: dict, settings: Settings, base: Config | None, data_size: int, notes: list) -> None:
+    """DeepSpeed's rule (runtime/config.py, _set_batch_related_parameters): any two of train_batch_size,
+    train_micro_batch_size_per_gpu, gradient_accumulation_steps give the third; train_batch_size alone means
+    no accumulation; micro alone means train = micro x world; then train == micro x accumulation x world."""
+    names = {"train_batch_size": "Config.train_batch_size", "train_micro_batch_size_per_gpu": "Config.micro_batch_size",
+             "gradient_accumulation_steps": "Config.grad_accum_steps"}
+    base_values = {"train_micro_batch_size_per_gpu": base.micro_batch_size if base else None,
+                   "gradient_accumulation_steps": base.grad_accum_steps if base else None}
+    given: dict[str, int | None] = {}
+    written: dict[str, bool] = {}
+    for key, name in names.items():
+        value = ds.get(key)
+        written[key] = value is not None and value != AUTO
+        if value == AUTO or value is None:
+            # "auto" (or absent): gin's binding, else for the per-device keys the base Config (Hugging Face's
+            # per_device_train_batch_size / gradient_accumulation_steps role; only for "auto"), else derived.
+            value = settings.bound.get(name)
+            if value is None and ds.get(key) == AUTO:
+                value = base_values.get(key)
+            if value is not None:
+                notes.append(f"{key}: {'auto' if ds.get(key) == AUTO else 'absent'}, {value} from "
+                             f"{'gin' if name in settings.bound else 'the base Config'}")
+        else:
+            value = as_int(value, key, 1)
+        given[key] = value
+    train, micro, accum = (given[k] for k in names)
+    n = data_size
+    if train is not None and micro is not None and accum is not None:
+        pass  # all three given: their product is checked below
+    elif train is not None and micro is not None:
+        accum = train // micro // n
+    elif train is not None and accum is not None:
+        micro = train // n // accum
+    elif micro is not None and accum is not None:
+        train = micro * accum * n
+    elif train is not None:
+        accum, micro = 1, train // n
+    elif micro is not None:
+        train, accum = micro * n, 1
+    else:
+        raise ConfigError("train_batch_size", "neither train_batch_size nor train_micro_batch_size_per_gpu is "
+                          "given (or resolvable from 'auto')", "write train_micro_batch_size_per_gpu, or pass "
+                          "base=Config(micro_batch_size=...) to resolve 'auto'")
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
+        if value < 1:
+            raise ConfigError(key, f"derives to {value}: train_batch_size {train} does not split over {n} "
+                              "data-parallel devices", "pass world_size= (the world size the JSON was written for), "
+                              "or write the per-device keys")
+    if train != micro * accum * n:
+        raise ConfigError("train_batch_size", f"{train} != train_micro_batch_size_per_gpu {micro} x "
+                          f"gradient_accumulation_steps {accum} x {n} data-parallel devices",
+                          "change one of them, or pass world_size= (the world size the JSON was written for)")
+    for key, value in zip(names, (train, micro, accum)):
+        settings.set(names[key], value, key, written[key])
+
+
+def read_clipping(ds: dict, settings: Settings, base: Config | None, notes: list) -> None:
+    value = ds.get("gradient_clipping", None)
+    if value == AUTO:
+        resolved = settings.bound.get("Config.grad_clip", base.grad_clip if base else None)
+        if resolved is None:
+            raise ConfigError("gradient_clipping", "'auto' needs a value from somewhere",
+                              "write a number (0 disables clipping), or pass base=Config(grad_clip=...)")
+        notes.append(f"gradient_clipping: 'auto' resolved to {resolved}")
+        settings.set("Config.grad_clip", resolved, "gradient_clipping", written=False)
+    elif value is None:  # DeepSpeed clips at 1.0 unless told otherwise (GRADIENT_CLIPPING_DEFAULT)
+        settings.set("Config.grad_clip", 1.0, "gradient_clipping", written=False)
+    else:
+        settings.set("Config.grad_clip", as_number(value, "gradient_clipping"), "gradient_clipping")
+
+
+def read_remat(ds: dict, settings: Settings, notes: list) -> str | None:
+    """An activation_checkpointing block: DeepSpeed checkpoints each layer and recomputes it in the backward
+    pass; Config.remat 'full' does that for each scanned layer and gather group. Without the block the
+    model decides in DeepSpeed (Megatron's --checkpoint-activations), so Config.remat stays as it is."""
+    if "activation_checkpointing" not in ds:
+        return None
+    block = as_block(ds["activation_checkpointing"], "activation_checkpointing")
+    check_block(block, "activation_checkpointing", notes)
+    return settings.set("Config.remat", "full", "activation_checkpointing")
+
+
+def read_tensor_parallel(ds: dict, settings: Settings, axes: dict, notes: list) -> dict:
+    block = as_block(ds.get("tensor_parallel", {}), "tensor_parallel")
+    check_block(block, "tensor_parallel", notes)
+    if "autotp_size" in block:
+        size = max(1, as_int(block["autotp_size"], "tensor_parallel.autotp_size", 0))
+        bound = settings.bound.get("MeshConfig.axes", {}).get("tensor")
+        if bound is not None and bound != size:
+            raise ConfigError("tensor_parallel.autotp_size", f"gives a tensor axis of {size} but MeshConfig.axes is "
+                              f"bound with tensor {bound} elsewhere (gin)", "remove one of the two, or make them agree")
+        axes = {**axes, "tensor": size}
+    return axes

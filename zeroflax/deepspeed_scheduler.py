@@ -1,0 +1,93 @@
+"""DeepSpeed's `scheduler` block -> the learning rate as a function of the update count.
+
+WarmupLR, WarmupDecayLR, WarmupCosineLR and LRRangeTest map to zeroflax.optim.schedules; "auto" resolves
+from from_deepspeed's keywords (learning_rate, warmup_steps, total_steps) by Hugging Face's rule. Since
+WarmupLR defaults to, and WarmupCosineLR scales, the optimizer's lr (the optimizer block's, else
+learning_rate=), `read_scheduler` returns a factory: lr -> schedule.
+"""
+from __future__ import annotations
+
+from zeroflax import deepspeed_keys as keys
+from zeroflax.config import ConfigError
+from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_block, check_params
+from zeroflax.deepspeed_settings import AUTO
+from zeroflax.optim import schedules
+
+
+def read_scheduler(ds: dict, kw: dict, notes: list):
+    """(a factory lr -> schedule, applied to the optimizer's lr; or None without scheduler block)."""
+    if "scheduler" not in ds:
+        return None
+    block = as_block(ds["scheduler"], "scheduler")
+    check_block(block, "scheduler", notes)
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        raise ConfigError("scheduler.type", f"must be a scheduler name, got {kind!r}", "e.g. \"WarmupLR\"")
+    if kind in keys.SCHEDULERS_REFUSED:
+        raise ConfigError("scheduler.type", f"{kind!r} is refused: {keys.SCHEDULERS_REFUSED[kind]}",
+                          "use WarmupLR, WarmupDecayLR, WarmupCosineLR or LRRangeTest")
+    if kind not in keys.SCHEDULER_PARAMS:
+        raise ConfigError("scheduler.type", f"{kind!r} is not a DeepSpeed scheduler zeroflax maps (DeepSpeed would "
+                          "look it up in torch.optim.lr_scheduler)", "use WarmupLR, WarmupDecayLR, WarmupCosineLR or "
+                          "LRRangeTest")
+    takes = keys.SCHEDULER_PARAMS[kind]
+    params = as_block(block.get("params", {}), "scheduler.params")
+    check_params(params, "scheduler.params", takes, {}, notes, f"scheduler {kind!r}")
+    resolve = {"warmup_min_lr": ("0 (Hugging Face's rule)", 0.0), "warmup_max_lr": ("learning_rate=", kw["learning_rate"]),
+               "warmup_num_steps": ("warmup_steps=", kw["warmup_steps"]),
+               "total_num_steps": ("total_steps=", kw["total_steps"])}
+    values = {}
+    for key, default in takes.items():
+        path = f"scheduler.params.{key}"
+        value = params.get(key, default)
+        if value == AUTO:
+            how, resolved = resolve.get(key, (None, None))
+            if resolved is None:
+                raise ConfigError(path, "'auto' has nothing to resolve it",
+                                  f"write a value, or pass {how}" if how else "write a value")
+            value = resolved
+            notes.append(f"{path}: 'auto' resolved to {value!r} ({how})")
+        values[key] = value
+    path = "scheduler.params."
+    if values.pop("last_batch_iteration") != -1:
+        raise ConfigError(path + "last_batch_iteration", "refused: a zeroflax run resumes its schedule from the "
+                          "checkpointed step count", "remove it (-1)")
+    for key, value in values.items():
+        if isinstance(value, (list, tuple)):
+            raise ConfigError(path + key, "a list (one value per torch parameter group) is refused: zeroflax has "
+                              "one group", "give one number")
+    for key in ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size"):
+        if key in values:
+            if values[key] is None:
+                raise ConfigError(path + key, f"missing: {kind} needs it", "write it, or 'auto' with total_steps=")
+            values[key] = as_int(values[key], path + key, 1 if key != "total_num_steps" else 0)
+    if "warmup_type" in values and values["warmup_type"] not in schedules.WARMUP_TYPES:
+        raise ConfigError(path + "warmup_type", f"unknown warm-up {values['warmup_type']!r} (DeepSpeed would fall "
+                          "back to 'log' with a warning)", "use 'log' or 'linear'")
+    for key in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio", "lr_range_test_min_lr",
+                "lr_range_test_step_rate"):
+        if values.get(key) is not None:
+            values[key] = as_number(values[key], path + key, None)
+    if "lr_range_test_staircase" in values:
+        values["lr_range_test_staircase"] = as_bool(values["lr_range_test_staircase"], path + "lr_range_test_staircase")
+    if kw["total_steps"] is not None and values.get("total_num_steps") not in (None, kw["total_steps"]):
+        notes.append(f"scheduler.params.total_num_steps: {values['total_num_steps']}, but training runs "
+                     f"{kw['total_steps']} steps: the schedule follows the JSON")
+
+    def build(lr):
+        # WarmupLR's warmup_max_lr and WarmupCosineLR's base are the optimizer's lr when absent / by design.
+        if kind == "WarmupLR" and values["warmup_max_lr"] is None:
+            if lr is None:
+                raise ConfigError("scheduler.params.warmup_max_lr", "absent, so DeepSpeed takes the optimizer's lr, "
+                                  "which is unknown here", "write warmup_max_lr, or pass learning_rate=")
+            values["warmup_max_lr"] = float(lr)
+        if kind == "WarmupCosineLR":
+            if lr is None:
+                raise ConfigError("optimizer.params.lr", "WarmupCosineLR scales the optimizer's lr, which is unknown "
+                                  "here", "write an optimizer block with lr, or pass learning_rate=")
+            return schedules.warmup_cosine_lr(float(lr), **values)
+        fn = {"WarmupLR": schedules.warmup_lr, "WarmupDecayLR": schedules.warmup_decay_lr,
+              "LRRangeTest": schedules.lr_range_test}[kind]
+        return fn(**values)
+
+    return build

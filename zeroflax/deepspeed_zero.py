@@ -1,0 +1,81 @@
+"""DeepSpeed's `zero_optimization` block -> the ZeRO settings of Config and its offload sections.
+
+stage -> Config.zero_stage; ZeRO-3's sizes (stage3_param_persistence_threshold, stage3_prefetch_bucket_size,
+stage3_max_live_parameters, stage3_max_reuse_distance, or their names without stage3_) -> the Config fields
+of those names ("auto": Hugging Face's rule from hidden_size for the first two, DeepSpeed's default for the
+others); zero_quantized_weights (ZeRO++ qwZ) -> Config.quantized_weights; offload_optimizer and
+offload_param (and the old cpu_offload, cpu_offload_param) -> OffloadOptimizerConfig and OffloadParamConfig.
+"""
+from __future__ import annotations
+
+from zeroflax.config import ConfigError, OffloadOptimizerConfig, OffloadParamConfig
+from zeroflax.deepspeed_keys import as_block, as_bool, as_int, check_block
+from zeroflax.deepspeed_settings import AUTO, Settings
+
+
+def read_zero(ds: dict, settings: Settings, hidden_size: int | None, notes: list) -> int:
+    zero = ds.get("zero_optimization", {})
+    if isinstance(zero, bool):  # DeepSpeed's old form
+        notes.append("zero_optimization: true/false is DeepSpeed's old form of stage 1/0")
+        zero = {"stage": int(zero)}
+    zero = as_block(zero, "zero_optimization")
+    check_block(zero, "zero_optimization", notes)
+
+    def read(path, value, read_fn, default, auto_value=None):
+        if value == AUTO:
+            value = default if auto_value is None else auto_value
+            notes.append(f"{path}: 'auto' resolved to {value}")
+            return value, False
+        return read_fn(value, path), True
+
+    stage, written = read("zero_optimization.stage", zero.get("stage", 0),
+                          lambda v, p: as_int(v, p, 0, integral_float=True), 0)
+    written = written and "stage" in zero
+    if stage > 3:
+        raise ConfigError("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage}")
+    stage = settings.set("Config.zero_stage", stage, "zero_optimization.stage", written)
+
+    # ZeRO-3's sizes: stage3_ names (DeepSpeed's aliases) or the field names; "auto" by Hugging Face's rule.
+    h = hidden_size
+    sizes = [("param_persistence_threshold", "Config.persistence_threshold", 100_000, 10 * h if h else None),
+             ("prefetch_bucket_size", "Config.prefetch_bucket_size", 50_000_000, int(0.9 * h * h) if h else None),
+             ("max_live_parameters", "Config.max_live_parameters", 1_000_000_000, None),
+             ("max_reuse_distance", "Config.max_reuse_distance", 1_000_000_000, None)]
+    for field, name, default, auto in sizes:
+        given = [k for k in (f"stage3_{field}", field) if k in zero]
+        if len(given) == 2:
+            raise ConfigError(f"zero_optimization.{field}", f"given twice, also as stage3_{field}", "keep one")
+        path = f"zero_optimization.{given[0] if given else 'stage3_' + field}"
+        value, written = read(path, zero.get(given[0], default) if given else default,
+                              lambda v, p: as_int(v, p, 0, integral_float=True), default, auto)
+        settings.set(name, value, path, written and bool(given))
+
+    quantized = zero.get("zero_quantized_weights", False)
+    settings.set("Config.quantized_weights", as_bool(quantized, "zero_optimization.zero_quantized_weights"),
+                 "zero_optimization.zero_quantized_weights", "zero_quantized_weights" in zero)
+
+    for kind, legacy, cls in (("offload_optimizer", "cpu_offload", OffloadOptimizerConfig),
+                              ("offload_param", "cpu_offload_param", OffloadParamConfig)):
+        prefix = f"zero_optimization.{kind}"
+        block = zero.get(kind)
+        if legacy in zero:
+            if as_bool(zero[legacy], f"zero_optimization.{legacy}") and block is not None:
+                raise ConfigError(f"zero_optimization.{legacy}", f"given together with {kind}, which replaces it",
+                                  f"keep {kind}")
+            if zero[legacy]:
+                notes.append(f"zero_optimization.{legacy}: deprecated, read as {kind}.device 'cpu'")
+                block = {"device": "cpu"}
+        block = as_block(block if block is not None else {}, prefix)
+        check_block(block, prefix, notes)
+        device = block.get("device", "none")
+        if device == "nvme":
+            raise ConfigError(f"{prefix}.device", "'nvme' (ZeRO-Infinity) is refused: JAX has no NVMe memory kind",
+                              "use 'cpu'")
+        if device not in ("none", "cpu"):
+            raise ConfigError(f"{prefix}.device", f"unknown device {device!r}", "use 'none' or 'cpu'")
+        short = cls.__name__
+        written = "device" in block or legacy in zero
+        settings.set(f"{short}.device", device, f"{prefix}.device", written)
+        settings.set(f"{short}.pin_memory", as_bool(block.get("pin_memory", True), f"{prefix}.pin_memory"),
+                     f"{prefix}.pin_memory", "pin_memory" in block)
+    return stage
