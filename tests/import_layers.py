@@ -6,16 +6,18 @@ from __future__ import annotations
 import ast
 import pathlib
 
-# Lowest first. A module belongs to the first layer with an entry that is it or a package above it.
+# Lowest first. An entry names a module, a package (everything under it), or a family `name_*` (modules
+# named after one: `deepspeed_zero` after `deepspeed_config`); the most specific entry places a module.
 LAYERS = [
-    ("foundation", ["zeroflax.version", "zeroflax.config", "zeroflax.config_rules", "zeroflax.compat", "zeroflax.workdir",
-                    "zeroflax.distributed", "zeroflax.data", "zeroflax.kernels"]),
+    ("foundation", ["zeroflax.version", "zeroflax.config", "zeroflax.config_*", "zeroflax.compat",
+                    "zeroflax.workdir", "zeroflax.distributed", "zeroflax.data", "zeroflax.kernels"]),
     ("sharding", ["zeroflax.sharding", "zeroflax.pipeline", "zeroflax.optim", "zeroflax.batch", "zeroflax.adapters"]),
     ("step parts", ["zeroflax.step", "zeroflax.remat_choice"]),
     ("engine", ["zeroflax.engine"]),
     ("models", ["zeroflax.models"]),
-    ("reports", ["zeroflax.hlo", "zeroflax.buffer_assignment", "zeroflax.comm", "zeroflax.memory", "zeroflax.explain", "zeroflax.reports"]),
-    ("runtime", ["zeroflax.checkpoint", "zeroflax.generate", "zeroflax.export", "zeroflax.deepspeed",
+    ("reports", ["zeroflax.hlo", "zeroflax.buffer_assignment", "zeroflax.comm", "zeroflax.memory",
+                 "zeroflax.explain", "zeroflax.reports"]),
+    ("runtime", ["zeroflax.checkpoint", "zeroflax.generate", "zeroflax.export", "zeroflax.deepspeed_*",
                  "zeroflax.train"]),
     ("planners", ["zeroflax.estimate", "zeroflax.cost", "zeroflax.plan"]),
     ("command line", ["zeroflax.command_flags", "zeroflax.estimate_command", "zeroflax.plan_command",
@@ -36,15 +38,15 @@ def module_names(root: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 def layer_of(module: str) -> int:
-    best = None
-    for rank, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[1]:
-                    best = (rank, len(prefix))
-            elif module.startswith(prefix) and prefix != "zeroflax" and module[len(prefix):len(prefix) + 1] == "_":
-                if best is None or len(prefix) > best[1]:  # zeroflax.deepspeed_config under zeroflax.deepspeed
-                    best = (rank, len(prefix))
+    best = None  # (rank, specificity)
+    for rank, (_, entries) in enumerate(LAYERS):
+        for entry in entries:
+            if entry.endswith("_*"):
+                hit = module.startswith(entry[:-1])
+            else:
+                hit = module == entry or module.startswith(entry + ".")
+            if hit and (best is None or len(entry) > best[1]):
+                best = (rank, len(entry))
     if best is None:
         raise KeyError(f"{module} is in no layer of tests/import_layers.py: place it")
     return best[0]
