@@ -49,7 +49,7 @@ def _replayed() -> dict:
     arrays: update_loss_scale only does arithmetic on them, so one compilation serves 40-odd configs."""
     traces = TRACES["traces"]
     configs = [LossScaleConfig(**t["fp16"]) for t in traces]  # DeepSpeed's keys are our fields, one for one
-    dynamic = [c.loss_scale == 0 for c in configs]  # as Engine._train_step decides
+    dynamic = [c.loss_scale == 0 for c in configs]  # as step/scaler.py's LossScaler.dynamic decides
     out = {}
     for is_dynamic in (True, False):
         group = [i for i, d in enumerate(dynamic) if d == is_dynamic]

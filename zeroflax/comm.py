@@ -8,7 +8,7 @@ R the bytes of the instruction's result and G the size of its replica group:
     all-reduce          2 R (G-1)/G        all-to-all        R (G-1)/G
     collective-permute  R x (pairs / devices): the devices that send, averaged over all of them
 
-The theory of design.md section 4, with N the data-parallel size, b_g the gradient and b_c the
+The theory of docs/design.md section 2, with N the data-parallel size, b_g the gradient and b_c the
 compute dtype's bytes: stages 0-2 move 2 b_g Psi (N-1)/N, stage 3 (2 b_c + b_g) Psi (N-1)/N; with
 quantized weights (qwZ) b_c = 1 + b_scale/block (int8 elements, one compute-dtype scale per block).
 With M micro-batches per step stage 2 moves (M + 1) b_g Psi (N-1)/N and stage 3 M times its volume

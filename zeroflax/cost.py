@@ -12,7 +12,7 @@ Each term has two sources:
     once, so it is not used), host transfers from the step's jaxpr (`comm.host_transfers`: XLA:CPU
     compiles them away);
   - analytic: `gpt_bound(...)`, a lower bound for a candidate not compiled: ZeRO's collectives leaf by
-    leaf as the engine issues them (sharding/grad_sync.py, the ZeRO-3 gathers), Megatron's all-reduces
+    leaf as the engine issues them (step/zero_sync.py, the ZeRO-3 gathers), Megatron's all-reduces
     over `tensor`, the stage sends over `pipe`, offload's transfers, and the matmul FLOPs of the GPT
     (elementwise work and recomputation the bound is not sure of are left out, so it stays below).
 """

@@ -7,7 +7,7 @@ each leaf); `unaccounted` is what memory_analysis counts beyond them and should 
 full size where gradients are accumulated unreduced (stages 0 and 1), one shard for stages 2 and 3.
 It lives in the temporaries.
 
-Theory (design.md section 4) for model states at rest, with Psi parameters, N data-parallel devices,
+Theory (docs/design.md section 2; offload: section 5) for model states at rest, with Psi parameters, N data-parallel devices,
 P the parameters' bytes per element and K the optimizer state's bytes per parameter (Adam: 8):
     stage 0: (P + K) Psi    stages 1, 2: P Psi + K Psi / N    stage 3: (P + K) Psi / N
 With offload (Config.offload_optimizer) the model states split into host and device memory, each

@@ -6,8 +6,8 @@ One step (`Engine._train_step`) is, top to bottom:
                micro-batches and their gradients (`Accumulation`; the pipeline schedule, `Pipelined`),
                applying the sync's `per_microbatch` to each micro-batch's gradients;
   GradSync     the same shard_map: `final` reduces the accumulated gradients over `data` (ZeRO's
-               all-reduce / reduce-scatter, `sharding/grad_sync.py`; 1-bit Adam's compressed exchange,
-               `optim/onebit.py`); in the global view `synced` hands the update a `Synced`;
+               all-reduce / reduce-scatter, `step/zero_sync.py`; 1-bit Adam's compressed exchange,
+               `step/onebit_sync.py`); in the global view `synced` hands the update a `Synced`;
   LossScaler   unscales the gradients and follows the overflows (`step/scaler.py`);
   Update       the optimizer on the synchronised gradients, returning `Updated` (on the device,
                `step/device_update.py`; offloaded, possibly delayed, `step/offloaded_update.py`).
