@@ -31,7 +31,6 @@ from zeroflax.adapters import unbox
 from zeroflax.batch import BatchLayout, batch_layout, batch_share
 from zeroflax.config import Config, ConfigError
 from zeroflax.pipeline.executor import tables
-from zeroflax.pipeline.layout import take_layers
 from zeroflax.remat_choice import settle_remat
 from zeroflax.sharding.layers import GatherUsage
 from zeroflax.sharding.mesh import DATA_AXIS, build_mesh
@@ -39,6 +38,7 @@ from zeroflax.sharding.policy import ShardingPlan, make_plan
 from zeroflax.sharding.scopes import UPDATE_SCOPE
 from zeroflax.step.build import abstract_state, build_parts, state_shardings
 from zeroflax.step.loss_trace import LossTrace, floats_to
+from zeroflax.step.pipelined import LayerOrder
 from zeroflax.step.state import TrainState
 
 
@@ -62,12 +62,12 @@ class Engine:
                                                             self.parts.scaler)
         self.schedule = self.source.schedule  # the pipeline schedule, or None
         self.layer_order = self.source.layer_order  # storage row -> model layer of the stacked layers, or None
+        self.layers = LayerOrder(self.layer_order, plan.placements, optimizer)
         self.trace = LossTrace(loss_fn, config, plan, self.source.manual_axes, abstract_model_state is not None)
         self.clock = self.parts.clock
         self.state_shardings = state_shardings(self.parts, plan, abstract_model_state)
         self._jit_steps: dict = {}  # phase -> the jitted step
         self._compiled: dict = {}
-        self._reorder_jits: dict = {}
         self._jit_eval = None
         self._remat_settled = False
 
@@ -148,13 +148,8 @@ class Engine:
         whose update it returns is discarded: evaluation uses the statistics, never changes them."""
         batch = self.put_batch(batch)
         if self._jit_eval is None:
-            model_order = (take_layers(np.argsort(self.layer_order), self.plan.placements, self.optimizer)[0]
-                           if self.layer_order is not None else None)
-
             def eval_loss(params, batch, model_state):
-                params = self.update.readable(params)
-                if model_order is not None:
-                    params = model_order(params)
+                params = self.layers.to_model_in_step(self.update.readable(params))
                 dtype = self.config.compute_dtype
                 loss, _, _ = self.trace.call(floats_to(params, dtype), floats_to(batch, dtype), None, model_state)
                 return loss.astype(jnp.float32)
@@ -204,30 +199,20 @@ class Engine:
         return self.trace.gathered_on_entry_reasons()
 
     # ---------------------------------------------------------------- state: order and abstract
-    def _reordered(self, what: str, tree, to_model: bool):
-        if self.layer_order is None:
-            return tree
-        if (what, to_model) not in self._reorder_jits:
-            index = np.argsort(self.layer_order) if to_model else self.layer_order
-            params_fn, state_fn = take_layers(index, self.plan.placements, self.optimizer)
-            fn, out = (params_fn, self.plan.params) if what == "params" else (state_fn, self.state_shardings)
-            self._reorder_jits[what, to_model] = jax.jit(fn, out_shardings=out)
-        return self._reorder_jits[what, to_model](tree)
-
     def model_order(self, state: TrainState) -> TrainState:
         """The state as checkpoints hold it, so that they restore on any mesh: stacked layers in model
         order (the interleaved schedule stores them in pipeline order), without what the update
         remakes from the master weights (`Update.stored`)."""
-        return self._reordered("state", self.update.stored(state), True)
+        return self.layers.convert("state", self.update.stored(state), True, self.state_shardings)
 
     def storage_order(self, state: TrainState) -> TrainState:
         """The inverse of `model_order`: a model-order state (fresh, or restored) as this engine holds it,
         with the update's derived fields remade where it has none."""
-        return self.update.restored(self._reordered("state", state, False))
+        return self.update.restored(self.layers.convert("state", state, False, self.state_shardings))
 
     def model_params(self, state: TrainState):
         """`state.params` in model order (layer i of the stack is the model's layer i)."""
-        return self._reordered("params", state.params, True)
+        return self.layers.convert("params", state.params, True, self.plan.params)
 
     def with_compute_copy(self, state: TrainState) -> TrainState:
         """`state` with the update's derived fields (offload's compute copy) remade from its master

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zeroflax.config import ConfigError
 from zeroflax.pipeline.executor import run_schedule, stage_hook
+from zeroflax.pipeline.layout import take_layers
 from zeroflax.pipeline.schedule import Schedule
 from zeroflax.sharding.manual import psum_on_slices
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS
@@ -56,3 +58,28 @@ class Pipelined:
         that use them: their sum over `pipe` (after ZeRO's reduction: on shards when sharded)."""
         shared = lambda p, g: g if p.base[:1] == (PIPE_AXIS,) else psum_on_slices(g, PIPE_AXIS, p.auto_spec())
         return jax.tree.map(shared, self.placements, grads, is_leaf=is_placement)
+
+
+class LayerOrder:
+    """How the stacked layers are stored: `order` (storage row -> model layer; None, the identity) and the
+    conversions at the engine's edges (checkpoints, evaluation, `Engine.model_params`)."""
+
+    def __init__(self, order, placements, optimizer):
+        self.order, self.placements, self.optimizer = order, placements, optimizer
+        self._jits: dict = {}
+
+    def to_model_in_step(self, params):
+        """Inside a jitted function: `params` with their stacked layers in model order."""
+        if self.order is None:
+            return params
+        return take_layers(np.argsort(self.order), self.placements, self.optimizer)[0](params)
+
+    def convert(self, what: str, tree, to_model: bool, shardings):
+        """`tree` ('params' or a whole 'state') to model order (or back), placed by `shardings`."""
+        if self.order is None:
+            return tree
+        if (what, to_model) not in self._jits:
+            index = np.argsort(self.order) if to_model else self.order
+            params_fn, state_fn = take_layers(index, self.placements, self.optimizer)
+            self._jits[what, to_model] = jax.jit(params_fn if what == "params" else state_fn, out_shardings=shardings)
+        return self._jits[what, to_model](tree)
