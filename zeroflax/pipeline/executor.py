@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroflax.pipeline.schedule import Schedule
+from zeroflax.sharding.scopes import ThreadStack
 
 PIPE_AXIS = "pipe"  # the same name as zeroflax.sharding.mesh.PIPE_AXIS (this module imports no engine code)
 
@@ -144,20 +145,17 @@ class _Stage:
     calls: int = 0
 
 
-_stages: list[_Stage] = []
-_observers: list[Callable] = []
+_stages = ThreadStack()  # of _Stage: the stage hooks entered in this thread
+_observers = ThreadStack()  # of callbacks: see observe_ticks
 
 
 @contextlib.contextmanager
 def observe_ticks(callback: Callable):
-    """Steps traced inside this context report every tick as it runs, on every device:
+    """Steps traced inside this context (in this thread) report every tick as it runs, on every device:
     callback(stage, tick, kind, micro, chunk) with kind 'F', 'B' or None (idle). For tests and
     debugging: the order the compiled step really executes."""
-    _observers.append(callback)
-    try:
+    with _observers.push(callback):
         yield
-    finally:
-        _observers.remove(callback)
 
 
 def _notify(observers, stage, tick, branch, micro, chunk):
@@ -167,19 +165,15 @@ def _notify(observers, stage, tick, branch, micro, chunk):
 
 
 def active_stage() -> _Stage | None:
-    return _stages[-1] if _stages else None
+    return _stages.top()
 
 
 @contextlib.contextmanager
 def stage_hook(x, start, size: int):
     """While the loss runs inside this context, its `scan_layers` call runs only layers
     [start, start + size) of this device's share, on `x` (when given) instead of its own carry."""
-    stage = _Stage(x, start, size)
-    _stages.append(stage)
-    try:
+    with _stages.push(_Stage(x, start, size)) as stage:
         yield stage
-    finally:
-        _stages.pop()
 
 
 def run_stage(stage: _Stage, run: Callable, carry, stacked_params, xs):

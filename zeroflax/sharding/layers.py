@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from zeroflax.pipeline.executor import active_stage, run_stage
 from zeroflax.sharding.manual import on_slices
-from zeroflax.sharding.scopes import LAYERS_SCOPE, SCOPE_END
+from zeroflax.sharding.scopes import LAYERS_SCOPE, SCOPE_END, ThreadStack
 
 
 @dataclasses.dataclass
@@ -87,20 +87,16 @@ class LayerContext:
     scan_owners: frozenset = frozenset()
 
 
-_contexts: list[LayerContext] = []
+_contexts = ThreadStack()  # of LayerContext: the engine's, while it traces the loss
 
 
-@contextlib.contextmanager
 def layer_context(ctx: LayerContext):
-    _contexts.append(ctx)
-    try:
-        yield ctx
-    finally:
-        _contexts.pop()
+    """A context manager: model code traced inside it (in this thread) sees `ctx` as `current_context()`."""
+    return _contexts.push(ctx)
 
 
 def current_context() -> LayerContext | None:
-    return _contexts[-1] if _contexts else None
+    return _contexts.top()
 
 
 def current_usage() -> GatherUsage | None:
@@ -248,7 +244,7 @@ class ShardedLeaf:
     source: Any = None
 
     def tree_flatten(self):
-        if _shape_views[0]:  # a model's own shape checks are looking: one leaf of the gathered shape
+        if _shape_views:  # a model's own shape checks are looking: one leaf of the gathered shape
             return (GlobalShapeView(self),), None
         return (self.shard, self.source), (self.dim, self.axis, self.compute_dtype, self.shape, self.index, self.quant_block,
                                self.sliced)
@@ -338,7 +334,7 @@ for _name in ("reshape", "astype", "transpose", "swapaxes", "squeeze", "ravel", 
     setattr(ShardedLeaf, _name, _raw_method(_name))
 
 
-_shape_views = [0]
+_shape_views = ThreadStack()  # not empty inside `global_shape_view()`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,11 +363,8 @@ def global_shape_view():
     a tree map that keeps it). Flax's `Scope.param` compares `np.shape` of an existing parameter's
     leaves with its initializer's shape; in a module's `setup()`, which Flax runs before any method
     interceptor, the parameter is still a handle, and its shard's shape would fail that check."""
-    _shape_views[0] += 1
-    try:
+    with _shape_views.push(True):
         yield
-    finally:
-        _shape_views[0] -= 1
 
 
 def reused_leaves(group_calls, max_reuse_distance: int) -> dict:
