@@ -4,7 +4,9 @@ context, pipeline stage, gather groups and shape view they entered themselves (`
 Each test pauses another thread inside its scope (in the middle of a trace where there is one) and
 checks, in this thread, what model code sees meanwhile; with the scopes held in module globals, this
 thread would see (and write into) the other's."""
+import ast
 import contextlib
+import pathlib
 import threading
 
 import jax
@@ -153,3 +155,15 @@ def test_thread_stack():
     thread.start()
     thread.join(WAIT_S)
     assert levels.top() == ["main"] and other == [[]]
+
+
+def test_sharding_imports_nothing_above_it():
+    """Imports run downward: the pipeline installs its stage runner in `sharding.layers` (`layer_runner`),
+    the sharding layer never reaches up into the pipeline, the optimizers or the engine."""
+    root = pathlib.Path(zeroflax.__file__).parent
+    above = ("zeroflax.pipeline", "zeroflax.optim", "zeroflax.engine", "zeroflax.remat_choice")
+    for path in sorted((root / "sharding").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not [n for n in names if n.startswith(above)], f"{path.name} imports {names}"

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from zeroflax.pipeline.executor import active_stage, run_stage
 from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.scopes import LAYERS_SCOPE, SCOPE_END, ThreadStack
 
@@ -460,6 +459,17 @@ def loss_remat_policy(name: str):
     return keep_boundaries
 
 
+_layer_runners = ThreadStack()  # of runners: see layer_runner
+
+
+def layer_runner(runner: Callable):
+    """A context manager: while it is active (in this thread), `scan_layers` hands its loop to
+    `runner(run, carry, stacked_params, xs)` instead of calling `run(carry, stacked_params, xs)`, where
+    `run` is the (rematerialised) scan over the layers it is given. The pipeline's stage hook
+    (`pipeline.executor.stage_hook`) installs one that runs only its stage's chunk of the layers."""
+    return _layer_runners.push(runner)
+
+
 def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | None = None, unroll: int = 1):
     """Run `body` over a stack of layers: `carry = body(carry, layer_params[, x])` for each layer.
 
@@ -493,7 +503,7 @@ def scan_layers(body: Callable, carry, stacked_params, xs=None, *, remat: str | 
     if ctx is not None and ctx.usage is not None:
         ctx.usage.layer_carry_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(carry))
 
-    stage = active_stage()  # under a pipeline: only this stage's chunk of the layers, on its input
-    if stage is not None:
-        return mark_boundary(run_stage(stage, run, carry, stacked_params, xs))
+    runner = _layer_runners.top()  # under a pipeline: only this stage's chunk of the layers, on its input
+    if runner is not None:
+        return mark_boundary(runner(run, carry, stacked_params, xs))
     return mark_boundary(run(carry, stacked_params, xs))
