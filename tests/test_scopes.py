@@ -15,9 +15,9 @@ import numpy as np
 
 import zeroflax
 from zeroflax.pipeline.executor import active_stage, stage_hook
+from zeroflax.sharding.context import GatherUsage, LayerContext, current_context, layer_context
 from zeroflax.sharding.groups import in_group
-from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, current_context, global_shape_view, \
-    layer_context
+from zeroflax.sharding.handles import ShardedLeaf, global_shape_view
 from zeroflax.sharding.linen_groups import loss_scope
 from zeroflax.sharding.scopes import ThreadStack
 

@@ -3,7 +3,7 @@ host memory (`Config.offload_optimizer`; placement in `sharding/policy.py`, docs
 
   1. the loss differentiates the device's compute-dtype copy, upcast to the master dtype so that the
      gradients are reduced in fp32 as without offload (a leaf streamed from the host by `offload_param`
-     enters as its host shard; `sharding/layers.py: gather_from_host`);
+     enters as its host shard; `sharding/collectives.py: gather_from_host`);
   2. the reduced gradient shards go to the host;
   3. the engine's update (clip, `optimizer.update`, apply) runs on the host under
      `compute_on('device_host')` (`update='host'`), or on the device with the state brought over and
@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zeroflax.compat import on_host
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim.clipping import clip_to, global_norm
-from zeroflax.sharding.layers import all_gather_exact
+from zeroflax.sharding.collectives import all_gather_exact
 from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan

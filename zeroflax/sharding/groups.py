@@ -41,7 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroflax.sharding.layers import current_context, gather, in_host_memory, is_handle, mark_boundary, remat_policy
+from zeroflax.sharding.collectives import in_host_memory
+from zeroflax.sharding.context import current_context
+from zeroflax.sharding.handles import gather, is_handle
+from zeroflax.sharding.remat import mark_boundary, remat_policy
 from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END, ThreadStack
 
 _groups_running = ThreadStack()  # one entry per group call being traced (in this thread)

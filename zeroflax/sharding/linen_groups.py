@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 
 from zeroflax.sharding.groups import call_level, in_group, param_elements, run_group
-from zeroflax.sharding.layers import current_context, gather, global_shape_view, is_handle, layer_context
+from zeroflax.sharding.context import current_context, layer_context
+from zeroflax.sharding.handles import gather, global_shape_view, is_handle
 from zeroflax.sharding.scopes import ThreadStack
 
 
