@@ -19,6 +19,7 @@ from zeroflax.sharding.context import GatherUsage, LayerContext, current_context
 from zeroflax.sharding.groups import in_group
 from zeroflax.sharding.handles import ShardedLeaf, global_shape_view
 from zeroflax.sharding.linen_groups import loss_scope
+from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.scopes import ThreadStack
 
 WAIT_S = 60
@@ -112,7 +113,7 @@ def test_stage_hook_is_per_thread():
 
 def test_loss_scope_groups_and_shape_view_are_per_thread():
     seen = {}
-    handle = ShardedLeaf(jnp.zeros((2, 3)), 0, "data", jnp.float32, (8, 3))
+    handle = ShardedLeaf(jnp.zeros((2, 3)), 0, DATA_AXIS, jnp.float32, (8, 3))
 
     def work(pause):
         def block(params, x):

@@ -34,15 +34,7 @@ from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.collectives import all_gather_exact
 from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
-from zeroflax.sharding.policy import LeafPlacement, ShardingPlan
-
-
-def _is_none(x) -> bool:
-    return x is None
-
-
-def _is_placement(x) -> bool:
-    return isinstance(x, LeafPlacement)
+from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_none, is_placement
 
 
 def on_device(shardings):
@@ -64,7 +56,7 @@ class OffloadedUpdate:
         """The compute-dtype copy of the master weights that the device keeps (None for streamed leaves)."""
         dtype = self.config.compute_dtype
         cast = lambda c, p: None if c is None else (p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p)
-        return jax.tree.map(cast, self.plan.compute, params, is_leaf=_is_none)
+        return jax.tree.map(cast, self.plan.compute, params, is_leaf=is_none)
 
     def compute_copy_of(self, params):
         """The compute copy of host master weights, made on the device (after a restore)."""
@@ -74,7 +66,7 @@ class OffloadedUpdate:
         """What the loss differentiates: the compute copy upcast to the master dtype and, for leaves
         streamed from the host, the host master shards."""
         return jax.tree.map(lambda c, p: p if c is None else c.astype(p.dtype), state.compute_params, state.params,
-                            is_leaf=_is_none)
+                            is_leaf=is_none)
 
     def __call__(self, state, grads, delayed: bool):
         """(params, opt_state, compute_params, pending_grads, grad_norm, finite) after the update of
@@ -128,7 +120,7 @@ class OffloadedUpdate:
         # The compute copy comes to the device as the master is laid out (a shard per device), and
         # takes its own layout there (stages 1-2: whole, by an all-gather on the device).
         shard_layout = jax.tree.map(lambda c, s: None if c is None else s, plan.compute, on_device(plan.params),
-                                    is_leaf=_is_none)
+                                    is_leaf=is_none)
         if prediction == "linear":
             guess, slope = jax.device_put(compute, (shard_layout, shard_layout))
             compute = jax.lax.with_sharding_constraint(self.predicted_copy(guess, slope, grads), shard_layout)
@@ -138,7 +130,7 @@ class OffloadedUpdate:
     def slope_copy(self, slope):
         """The slope dU/dg as it travels to the device: bf16 (it scales a correction, 3 digits are plenty)."""
         return jax.tree.map(lambda c, d: None if c is None else d.astype(jnp.bfloat16), self.plan.compute, slope,
-                            is_leaf=_is_none)
+                            is_leaf=is_none)
 
     def predicted_copy(self, guess, slope, grads):
         """On the device, the 'linear' prediction: guess (P + center) plus slope times this step's gradient,
@@ -154,7 +146,7 @@ class OffloadedUpdate:
                 return None
             return jnp.where(finite, c.astype(jnp.float32) + d.astype(jnp.float32) * g, c).astype(c.dtype)
 
-        return jax.tree.map(leaf, guess, slope, grads, is_leaf=_is_none)
+        return jax.tree.map(leaf, guess, slope, grads, is_leaf=is_none)
 
     def gather_compute_copy(self, shards):
         """Stages 1-2: the compute copy's shards all-gathered over `data` on the device, in the compute
@@ -168,8 +160,8 @@ class OffloadedUpdate:
                 return shard
             return on_slices(lambda s: all_gather_exact(s, placement.zero_dim, DATA_AXIS), shard, placement.auto_spec())
 
-        local = lambda tree: jax.tree.map(gather, placements, tree, is_leaf=_is_placement)
-        specs = lambda spec: jax.tree.map(spec, placements, is_leaf=_is_placement)
+        local = lambda tree: jax.tree.map(gather, placements, tree, is_leaf=is_placement)
+        specs = lambda spec: jax.tree.map(spec, placements, is_leaf=is_placement)
         fn = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(specs(LeafPlacement.data_spec),),
                            out_specs=specs(LeafPlacement.pipe_spec), axis_names=set(self.manual_axes),
                            check_vma=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.scopes import ThreadStack
 
 
@@ -54,7 +55,7 @@ class LayerContext:
     tensor_size: int = 1  # the tensor axis's size
     logical_rules: tuple = ()  # Config.logical_rules: logical axis name -> mesh axis
     data_axis_aliases: tuple = ()  # Config.data_axis_aliases: a model's pmap-era axis names for the data axis
-    data_axis: str = "data"
+    data_axis: str = DATA_AXIS
     # Paths of Flax modules that run a lifted transform (nn.scan, nn.RNN) over modules sharing their
     # parameters at every step (a recurrent cell): found by the probe, each is one gather group whatever
     # its size, so the cell is gathered once per pass rather than once per step.

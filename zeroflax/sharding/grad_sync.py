@@ -22,14 +22,10 @@ import jax
 
 from zeroflax.sharding.manual import on_slices, psum_on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
-from zeroflax.sharding.policy import LeafPlacement
+from zeroflax.sharding.policy import LeafPlacement, is_placement
 from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE
 
 SCATTER_WHEN = {0: None, 1: "final", 2: "microbatch", 3: "backward"}
-
-
-def _is_placement(x) -> bool:
-    return isinstance(x, LeafPlacement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +35,7 @@ class ZeroGradSync:
     axis: str = DATA_AXIS
 
     def _map(self, fn, grads):
-        return jax.tree.map(lambda p, g: fn(p, g), self.placements, grads, is_leaf=_is_placement)
+        return jax.tree.map(lambda p, g: fn(p, g), self.placements, grads, is_leaf=is_placement)
 
     def _scatter(self, placement: LeafPlacement, grad):
         scatter = lambda g: jax.lax.psum_scatter(g, self.axis, scatter_dimension=placement.zero_dim, tiled=True)

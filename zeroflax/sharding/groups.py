@@ -44,7 +44,7 @@ import numpy as np
 from zeroflax.sharding.collectives import in_host_memory
 from zeroflax.sharding.context import current_context
 from zeroflax.sharding.handles import gather, is_handle
-from zeroflax.sharding.remat import mark_boundary, remat_policy
+from zeroflax.sharding.remat import is_floating, mark_boundary, remat_policy
 from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END, ThreadStack
 
 _groups_running = ThreadStack()  # one entry per group call being traced (in this thread)
@@ -110,14 +110,10 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _floating(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def _anchor(tree, every: bool = False):
     """A float32 zero computed from the first floating, non-empty array of `tree` (from one element of
     each of them with `every`); None without one."""
-    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in jax.tree.leaves(tree) if _floating(x) and np.size(x)]
+    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in jax.tree.leaves(tree) if is_floating(x) and np.size(x)]
     if not firsts:
         return None
     return (sum(firsts) if every else firsts[0]) * 0.0
@@ -134,7 +130,7 @@ def _tie(tree, anchor):
     """`tree` with `anchor` (a zero) added to every floating array: same values, one more dependency."""
     if anchor is None:
         return tree
-    return jax.tree.map(lambda x: x + anchor.astype(x.dtype) if _floating(x) else x, tree)
+    return jax.tree.map(lambda x: x + anchor.astype(x.dtype) if is_floating(x) else x, tree)
 
 
 def param_elements(tree) -> tuple[int, bool]:

@@ -35,7 +35,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroflax.config import Config, ConfigError
-from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, pipe_size
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
 
 LAYERS_AXIS = "layers"
 
@@ -80,8 +80,15 @@ class LeafPlacement:
         return P(*axes)
 
 
-def _is_placement(x) -> bool:
+def is_placement(x) -> bool:
+    """`is_leaf` for a tree of placements (a `ShardingPlan.placements`): a LeafPlacement is one leaf."""
     return isinstance(x, LeafPlacement)
+
+
+def is_none(x) -> bool:
+    """`is_leaf` for a tree with None leaves (a `ShardingPlan.compute`: None for a leaf streamed from the
+    host), so that jax's tree functions keep them as leaves rather than empty subtrees."""
+    return x is None
 
 
 def choose_zero_dim(shape, base, data_size: int, threshold: int, stacked: bool) -> int | None:
@@ -113,7 +120,7 @@ def logical_to_mesh_axes(names, rules, mesh: Mesh, path: str, shape) -> tuple:
                               "the data axis is reserved for ZeRO partitioning; name another axis")
         if name not in table:
             raise ConfigError("Config.logical_rules", f"no rule for logical axis {name!r} of parameter {path}",
-                              f"add ({name!r}, None) or ({name!r}, 'tensor') to the rules")
+                              f"add ({name!r}, None) or ({name!r}, {TENSOR_AXIS!r}) to the rules")
         axis = table[name]
         if axis is not None and mesh.shape.get(axis, 1) > 1:
             if shape[dim] % mesh.shape[axis]:
@@ -185,8 +192,8 @@ class ShardingPlan:
     def streamed(self) -> list[bool]:
         """Per parameter leaf (flattened): is it streamed from the host where it is gathered?"""
         if self.compute is None:
-            return [False] * len(jax.tree.leaves(self.placements, is_leaf=_is_placement))
-        return [c is None for c in jax.tree.leaves(self.compute, is_leaf=lambda x: x is None)]
+            return [False] * len(jax.tree.leaves(self.placements, is_leaf=is_placement))
+        return [c is None for c in jax.tree.leaves(self.compute, is_leaf=is_none)]
 
     @property
     def replicated(self) -> NamedSharding:
@@ -201,12 +208,12 @@ class ShardingPlan:
         the loss, or of 'grads'."""
         partitioned = ZERO_PARTITIONED[self.stage][state]
         return jax.tree.map(lambda p: p.data_spec() if partitioned else p.pipe_spec(), self.placements,
-                            is_leaf=_is_placement)
+                            is_leaf=is_placement)
 
 
 def _sharding_tree(mesh, placements, with_data: bool, memory_kind: str | None = None):
     return jax.tree.map(lambda p: NamedSharding(mesh, p.spec(with_data), memory_kind=memory_kind), placements,
-                        is_leaf=_is_placement)
+                        is_leaf=is_placement)
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_state, placements, mesh: Mesh,
@@ -234,7 +241,7 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_st
         return NamedSharding(mesh, P(), memory_kind=memory_kind) if hasattr(state_leaf, "shape") else state_leaf
 
     return optax.tree_map_params(optimizer, for_param_slot, abstract_opt_state, placements,
-                                 transform_non_params=for_other, is_leaf=_is_placement)
+                                 transform_non_params=for_other, is_leaf=is_placement)
 
 
 def make_plan(optimizer, abstract_params, logical_axes, mesh: Mesh, config: Config) -> ShardingPlan:
@@ -248,7 +255,7 @@ def make_plan(optimizer, abstract_params, logical_axes, mesh: Mesh, config: Conf
     if offload:
         stream = config.offload_param.enabled
         compute = jax.tree.map(lambda p: None if stream and p.zero_dim is not None
-                               else NamedSharding(mesh, p.spec(which["params"])), placements, is_leaf=_is_placement)
+                               else NamedSharding(mesh, p.spec(which["params"])), placements, is_leaf=is_placement)
         host_grads = _sharding_tree(mesh, placements, which["grads"], host)
     return ShardingPlan(
         mesh=mesh,

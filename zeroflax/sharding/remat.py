@@ -33,11 +33,14 @@ def remat_policy(name: str):
 BOUNDARY = "zeroflax_boundary"
 
 
+def is_floating(x) -> bool:
+    """Whether x is an array (or tracer) of a floating dtype: what a boundary or a tie applies to."""
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
 def mark_boundary(tree):
     """`tree` with its floating arrays named as block boundaries, which `loss_remat_policy` saves."""
-    def mark(x):
-        return checkpoint_name(x, BOUNDARY) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.tree.map(mark, tree)
+    return jax.tree.map(lambda x: checkpoint_name(x, BOUNDARY) if is_floating(x) else x, tree)
 
 
 def loss_remat_policy(name: str):
