@@ -17,7 +17,7 @@ from flax import nnx
 
 import zeroflax
 from zeroflax.models.unet3d import UNet3D, UNet3DConfig, segmentation_loss, synthetic_volumes
-from zeroflax.sharding.layers import dequantize_blocks, quantize_blocks
+from zeroflax.sharding.collectives import dequantize_blocks, quantize_blocks
 from models import DeepMLP, NNXNet, ScannedMLP
 
 STEPS = 5

@@ -32,7 +32,7 @@ from zeroflax.batch import BatchLayout, batch_layout, batch_share
 from zeroflax.config import Config, ConfigError
 from zeroflax.pipeline.executor import tables
 from zeroflax.remat_choice import settle_remat
-from zeroflax.sharding.layers import GatherUsage
+from zeroflax.sharding.context import GatherUsage
 from zeroflax.sharding.mesh import DATA_AXIS, build_mesh
 from zeroflax.sharding.policy import ShardingPlan, make_plan
 from zeroflax.sharding.scopes import UPDATE_SCOPE

@@ -26,9 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeroflax.config import ConfigError
 from zeroflax.pipeline.schedule import Schedule
-
-PIPE_AXIS = "pipe"  # the same name as zeroflax.sharding.mesh.PIPE_AXIS (this module imports no engine code)
+from zeroflax.sharding.layers import layer_runner
+from zeroflax.sharding.mesh import PIPE_AXIS
+from zeroflax.sharding.scopes import ThreadStack
 
 # Branches of the per-tick switch. "first": the first virtual stage (runs the loss's code before the
 # layers); "last": the last one (runs the code after them and the loss); "mid": every other.
@@ -144,20 +146,17 @@ class _Stage:
     calls: int = 0
 
 
-_stages: list[_Stage] = []
-_observers: list[Callable] = []
+_stages = ThreadStack()  # of _Stage: the stage hooks entered in this thread
+_observers = ThreadStack()  # of callbacks: see observe_ticks
 
 
 @contextlib.contextmanager
 def observe_ticks(callback: Callable):
-    """Steps traced inside this context report every tick as it runs, on every device:
+    """Steps traced inside this context (in this thread) report every tick as it runs, on every device:
     callback(stage, tick, kind, micro, chunk) with kind 'F', 'B' or None (idle). For tests and
     debugging: the order the compiled step really executes."""
-    _observers.append(callback)
-    try:
+    with _observers.push(callback):
         yield
-    finally:
-        _observers.remove(callback)
 
 
 def _notify(observers, stage, tick, branch, micro, chunk):
@@ -167,28 +166,24 @@ def _notify(observers, stage, tick, branch, micro, chunk):
 
 
 def active_stage() -> _Stage | None:
-    return _stages[-1] if _stages else None
+    return _stages.top()
 
 
 @contextlib.contextmanager
 def stage_hook(x, start, size: int):
     """While the loss runs inside this context, its `scan_layers` call runs only layers
-    [start, start + size) of this device's share, on `x` (when given) instead of its own carry."""
+    [start, start + size) of this device's share, on `x` (when given) instead of its own carry
+    (`run_stage`, installed as the layers' runner: `sharding.layers.layer_runner`)."""
     stage = _Stage(x, start, size)
-    _stages.append(stage)
-    try:
+    with _stages.push(stage), layer_runner(functools.partial(run_stage, stage)):
         yield stage
-    finally:
-        _stages.pop()
 
 
 def run_stage(stage: _Stage, run: Callable, carry, stacked_params, xs):
-    """`scan_layers`'s body under a stage hook: one chunk of layers; the output is recorded."""
-    from zeroflax.config import ConfigError
-
+    """`scan_layers`'s loop under a stage hook: one chunk of layers; the output is recorded."""
     stage.calls += 1
     if stage.calls > 1:
-        raise ConfigError("MeshConfig.axes['pipe']", "the loss calls zeroflax.scan_layers more than once; a "
+        raise ConfigError(f"MeshConfig.axes['{PIPE_AXIS}']", "the loss calls zeroflax.scan_layers more than once; a "
                           "pipeline splits exactly one stack of layers over the pipe axis",
                           "use one scan_layers call, or set the pipe axis to 1")
     chunk = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, stage.start, stage.size, 0), tree)

@@ -16,11 +16,7 @@ import optax
 
 from zeroflax.config import Config, ConfigError
 from zeroflax.sharding.mesh import PIPE_AXIS
-from zeroflax.sharding.policy import LeafPlacement
-
-
-def _is_placement(x) -> bool:
-    return isinstance(x, LeafPlacement)
+from zeroflax.sharding.policy import LAYERS_AXIS, is_placement
 
 
 def check_pipeline(config: Config, placements, stages: int, has_model_state: bool) -> int:
@@ -29,15 +25,15 @@ def check_pipeline(config: Config, placements, stages: int, has_model_state: boo
     if has_model_state:
         raise ConfigError(key, f"a pipeline ({stages} stages) with model state (initialize(model_state=...)) is "
                           "not supported: each stage would hold its own statistics", "set the pipe axis to 1")
-    stacked = [p for p in jax.tree.leaves(placements, is_leaf=_is_placement) if p.stacked]
+    stacked = [p for p in jax.tree.leaves(placements, is_leaf=is_placement) if p.stacked]
     if not stacked:
         raise ConfigError(key, f"{stages} pipeline stages, but the model has no stacked layers (no leaf whose first "
-                          "logical axis is 'layers') to split over them",
+                          f"logical axis is {LAYERS_AXIS!r}) to split over them",
                           "stack the layers and run them with zeroflax.scan_layers, or set the pipe axis to 1")
     depths = {p.shape[0] for p in stacked}
     if len(depths) > 1:
         raise ConfigError(key, f"the stacked leaves disagree on the number of layers: {sorted(depths)}",
-                          "give every leaf of the layer stack the same leading 'layers' dimension")
+                          f"give every leaf of the layer stack the same leading {LAYERS_AXIS!r} dimension")
     layers = depths.pop()
     parts = stages * config.pipeline_virtual_stages
     if layers % parts:
@@ -75,7 +71,7 @@ def take_layers(index, placements, optimizer: optax.GradientTransformation):
 
     def state(st):
         opt_state = optax.tree_map_params(optimizer, take, st.opt_state, placements,
-                                          transform_non_params=lambda x: x, is_leaf=_is_placement)
+                                          transform_non_params=lambda x: x, is_leaf=is_placement)
         return st.replace(params=params(st.params), opt_state=opt_state)
 
     return params, state

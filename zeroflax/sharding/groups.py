@@ -41,10 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeroflax.sharding.layers import current_context, gather, in_host_memory, is_handle, mark_boundary, remat_policy
-from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END
+from zeroflax.sharding.collectives import in_host_memory
+from zeroflax.sharding.context import current_context
+from zeroflax.sharding.handles import gather, is_handle
+from zeroflax.sharding.remat import is_floating, mark_boundary, remat_policy
+from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END, ThreadStack
 
-_group_depth = [0]
+_groups_running = ThreadStack()  # one entry per group call being traced (in this thread)
 
 
 class _Level:
@@ -77,20 +80,15 @@ class _Level:
         self.last_input, self.last_size = own, size
 
 
-_levels: list[_Level] = [_Level()]
+_levels = ThreadStack(bottom=_Level)  # the nesting levels of module calls, innermost last
 
 
 def in_group() -> bool:
-    return _group_depth[0] > 0
+    return bool(_groups_running)
 
 
-@contextlib.contextmanager
 def _inside_group():
-    _group_depth[0] += 1
-    try:
-        yield
-    finally:
-        _group_depth[0] -= 1
+    return _groups_running.push(True)
 
 
 @contextlib.contextmanager
@@ -98,14 +96,13 @@ def call_level():
     """A nesting level of module calls. The groups below it continue the chain of the groups before it
     (so branches of a model, its encoder and its decoder, are ordered too) and the groups after it
     continue theirs; an anchor from another trace (a scan body) is never used (`_same_trace`)."""
-    outer = _levels[-1]
+    outer = _levels.top()
     inner = _Level()
     inner.__dict__.update(outer.__dict__)
-    _levels.append(inner)
     try:
-        yield
+        with _levels.push(inner):
+            yield
     finally:
-        _levels.pop()
         outer.__dict__.update(inner.__dict__)
 
 
@@ -113,14 +110,10 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _floating(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def _anchor(tree, every: bool = False):
     """A float32 zero computed from the first floating, non-empty array of `tree` (from one element of
     each of them with `every`); None without one."""
-    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in jax.tree.leaves(tree) if _floating(x) and np.size(x)]
+    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in jax.tree.leaves(tree) if is_floating(x) and np.size(x)]
     if not firsts:
         return None
     return (sum(firsts) if every else firsts[0]) * 0.0
@@ -137,7 +130,7 @@ def _tie(tree, anchor):
     """`tree` with `anchor` (a zero) added to every floating array: same values, one more dependency."""
     if anchor is None:
         return tree
-    return jax.tree.map(lambda x: x + anchor.astype(x.dtype) if _floating(x) else x, tree)
+    return jax.tree.map(lambda x: x + anchor.astype(x.dtype) if is_floating(x) else x, tree)
 
 
 def param_elements(tree) -> tuple[int, bool]:
@@ -182,7 +175,7 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
     positions = [i for i, x in enumerate(leaves) if _is_array(x)]
     dynamic = [leaves[i] for i in positions]
 
-    level = _levels[-1]
+    level = _levels.top()
     own = _anchor(dynamic)
     anchor = level.gather_anchor(own, size, ctx.max_live)
     if anchor is None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 
 from zeroflax.sharding.groups import call_level, in_group, param_elements, run_group
-from zeroflax.sharding.layers import current_context, gather, global_shape_view, is_handle, layer_context
+from zeroflax.sharding.context import current_context, layer_context
+from zeroflax.sharding.handles import gather, global_shape_view, is_handle
+from zeroflax.sharding.scopes import ThreadStack
 
 
 def _path(module) -> str:
@@ -92,7 +94,7 @@ def _linen_interceptor(next_fun, args, kwargs, context):
 
 # The module calls passed through (not groups) that are running now, innermost last: (path, the root of
 # its scope tree, whether it could be one group: not the model itself, not a stack of layers).
-_passing: list = []
+_passing = ThreadStack()
 
 
 def _scope_root(scope):
@@ -105,12 +107,8 @@ def _scope_root(scope):
 def _passing_through(module):
     params = module.variables.get("params", {})
     eligible = module.scope.parent is not None and not param_elements(params)[1]
-    _passing.append((_path(module), _scope_root(module.scope), eligible))
-    try:
-        with call_level():
-            yield
-    finally:
-        _passing.pop()
+    with _passing.push((_path(module), _scope_root(module.scope), eligible)), call_level():
+        yield
 
 
 def _pass_through(module, next_fun, args, kwargs):
@@ -125,13 +123,13 @@ def _note_lifted_call(module, ctx) -> None:
     the caller is noted, to be one group in the step, so they are gathered once, outside the loop."""
     if ctx.usage is None or not ctx.usage.probe or not _passing:
         return
-    path, root, eligible = _passing[-1]
+    path, root, eligible = _passing.top()
     if eligible and _scope_root(module.scope) is not root:
         ctx.usage.scan_owners.add(path)
 
 
 # The scope tree of each Linen group being traced, innermost last (None until its module's first call).
-_group_roots: list = []
+_group_roots = ThreadStack()
 
 
 def _note_lifted_in_group(module, ctx) -> None:
@@ -140,9 +138,9 @@ def _note_lifted_in_group(module, ctx) -> None:
     if ctx.usage is None or not ctx.usage.probe or not _group_roots:
         return
     root = _scope_root(module.scope)
-    if _group_roots[-1] is None:
-        _group_roots[-1] = root
-    elif root is not _group_roots[-1]:
+    if _group_roots.top() is None:
+        _group_roots.set_top(root)
+    elif root is not _group_roots.top():
         ctx.usage.lifted_in_groups += 1
 
 
@@ -169,11 +167,8 @@ def _linen_group(module, method: str, variables: dict, args, kwargs):
     unbound = module.clone(parent=None)
 
     def pure(v, *a, _rngs, **k):
-        _group_roots.append(None)
-        try:
+        with _group_roots.push(None):
             return unbound.apply(v, *a, method=method, mutable=mutable or False, rngs=_rngs, **k)
-        finally:
-            _group_roots.pop()
 
     out = run_group(pure, variables, args, {**kwargs, "_rngs": rngs}, name=_path(module))
     if not mutable:

@@ -35,7 +35,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroflax.config import Config, ConfigError
-from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, pipe_size
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
 
 LAYERS_AXIS = "layers"
 
@@ -81,7 +81,14 @@ class LeafPlacement:
 
 
 def is_placement(x) -> bool:
+    """`is_leaf` for a tree of placements (a `ShardingPlan.placements`): a LeafPlacement is one leaf."""
     return isinstance(x, LeafPlacement)
+
+
+def is_none(x) -> bool:
+    """`is_leaf` for a tree with None leaves (a `ShardingPlan.compute`: None for a leaf streamed from the
+    host), so that jax's tree functions keep them as leaves rather than empty subtrees."""
+    return x is None
 
 
 def choose_zero_dim(shape, base, data_size: int, threshold: int, stacked: bool) -> int | None:
@@ -113,7 +120,7 @@ def logical_to_mesh_axes(names, rules, mesh: Mesh, path: str, shape) -> tuple:
                               "the data axis is reserved for ZeRO partitioning; name another axis")
         if name not in table:
             raise ConfigError("Config.logical_rules", f"no rule for logical axis {name!r} of parameter {path}",
-                              f"add ({name!r}, None) or ({name!r}, 'tensor') to the rules")
+                              f"add ({name!r}, None) or ({name!r}, {TENSOR_AXIS!r}) to the rules")
         axis = table[name]
         if axis is not None and mesh.shape.get(axis, 1) > 1:
             if shape[dim] % mesh.shape[axis]:
@@ -186,7 +193,7 @@ class ShardingPlan:
         """Per parameter leaf (flattened): is it streamed from the host where it is gathered?"""
         if self.compute is None:
             return [False] * len(jax.tree.leaves(self.placements, is_leaf=is_placement))
-        return [c is None for c in jax.tree.leaves(self.compute, is_leaf=lambda x: x is None)]
+        return [c is None for c in jax.tree.leaves(self.compute, is_leaf=is_none)]
 
     @property
     def replicated(self) -> NamedSharding:

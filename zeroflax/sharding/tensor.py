@@ -25,7 +25,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zeroflax.config import ConfigError
-from zeroflax.sharding.layers import all_gather_exact, current_context
+from zeroflax.sharding.collectives import all_gather_exact
+from zeroflax.sharding.context import current_context
 from zeroflax.sharding.manual import manual_over
 from zeroflax.sharding.mesh import TENSOR_AXIS
 

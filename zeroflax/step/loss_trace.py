@@ -14,10 +14,12 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflax.config import Config, ConfigError
 from zeroflax.pipeline.executor import active_stage
-from zeroflax.sharding.layers import GatherUsage, LayerContext, ShardedLeaf, loss_remat_policy, reused_leaves
+from zeroflax.sharding.context import GatherUsage, LayerContext, reused_leaves
+from zeroflax.sharding.handles import ShardedLeaf
 from zeroflax.sharding.linen_groups import loss_scope
 from zeroflax.sharding.mesh import DATA_AXIS, TENSOR_AXIS
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_placement
+from zeroflax.sharding.remat import loss_remat_policy
 
 
 def floats_to(tree, dtype):

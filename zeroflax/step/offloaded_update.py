@@ -3,7 +3,7 @@ host memory (`Config.offload_optimizer`; placement in `sharding/policy.py`, docs
 
   1. the loss differentiates the device's compute-dtype copy, upcast to the master dtype so that the
      gradients are reduced in fp32 as without offload (a leaf streamed from the host by `offload_param`
-     enters as its host shard; `sharding/layers.py: gather_from_host`);
+     enters as its host shard; `sharding/collectives.py: gather_from_host`);
   2. the reduced gradient shards go to the host;
   3. the engine's update (clip, `optimizer.update`, apply) runs on the host under
      `compute_on('device_host')` (`update='host'`), or on the device with the state brought over and
@@ -33,15 +33,11 @@ from zeroflax.compat import on_host
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim.apply import apply_optimizer
 from zeroflax.optim.clipping import clip_to, global_norm
-from zeroflax.sharding.layers import all_gather_exact
+from zeroflax.sharding.collectives import all_gather_exact
 from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
-from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_placement
+from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_none, is_placement
 from zeroflax.step.parts import Updated
-
-
-def _is_none(x) -> bool:
-    return x is None
 
 
 def on_device(shardings):
@@ -138,7 +134,7 @@ class OffloadedUpdate:
         """The compute-dtype copy of the master weights that the device keeps (None for streamed leaves)."""
         dtype = self.config.compute_dtype
         cast = lambda c, p: None if c is None else (p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p)
-        return jax.tree.map(cast, self.plan.compute, params, is_leaf=_is_none)
+        return jax.tree.map(cast, self.plan.compute, params, is_leaf=is_none)
 
     def compute_copy_of(self, params):
         """The compute copy of host master weights, made on the device (after a restore)."""
@@ -148,7 +144,7 @@ class OffloadedUpdate:
         """What the loss differentiates: the compute copy upcast to the master dtype and, for leaves
         streamed from the host, the host master shards."""
         return jax.tree.map(lambda c, p: p if c is None else c.astype(p.dtype), state.compute_params, state.params,
-                            is_leaf=_is_none)
+                            is_leaf=is_none)
 
     def __call__(self, state, synced, phase: str):
         """The update of `synced.grads` (reduced, on the device), as `zeroflax.step.parts.Updated`."""
@@ -205,7 +201,7 @@ class OffloadedUpdate:
         # The compute copy comes to the device as the master is laid out (a shard per device), and
         # takes its own layout there (stages 1-2: whole, by an all-gather on the device).
         shard_layout = jax.tree.map(lambda c, s: None if c is None else s, plan.compute, on_device(plan.params),
-                                    is_leaf=_is_none)
+                                    is_leaf=is_none)
         if prediction == "linear":
             guess, slope = jax.device_put(compute, (shard_layout, shard_layout))
             compute = jax.lax.with_sharding_constraint(self.predicted_copy(guess, slope, grads), shard_layout)
@@ -216,7 +212,7 @@ class OffloadedUpdate:
     def slope_copy(self, slope):
         """The slope dU/dg as it travels to the device: bf16 (it scales a correction, 3 digits are plenty)."""
         return jax.tree.map(lambda c, d: None if c is None else d.astype(jnp.bfloat16), self.plan.compute, slope,
-                            is_leaf=_is_none)
+                            is_leaf=is_none)
 
     def predicted_copy(self, guess, slope, grads):
         """On the device, the 'linear' prediction: guess (P + center) plus slope times this step's gradient,
@@ -232,7 +228,7 @@ class OffloadedUpdate:
                 return None
             return jnp.where(finite, c.astype(jnp.float32) + d.astype(jnp.float32) * g, c).astype(c.dtype)
 
-        return jax.tree.map(leaf, guess, slope, grads, is_leaf=_is_none)
+        return jax.tree.map(leaf, guess, slope, grads, is_leaf=is_none)
 
     def gather_compute_copy(self, shards):
         """Stages 1-2: the compute copy's shards all-gathered over `data` on the device, in the compute

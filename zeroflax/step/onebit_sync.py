@@ -332,5 +332,5 @@ def make_sync(optimizer: OneBitAdam, placements, data_size: int, zero_sync, grad
     a leaf whose optimizer state ZeRO partitions (stages 1-2) is served shard by shard."""
     partitioned = ZERO_PARTITIONED[zero_sync.stage]["opt_state"]
     layouts = jax.tree.map(lambda p: Layout(tuple(p.shape), data_size, p.zero_dim if partitioned else None),
-                           placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
+                           placements, is_leaf=is_placement)
     return OneBitSync(optimizer.settings, layouts, zero_sync, grad_clip, impl=impl)
