@@ -9,7 +9,7 @@ import pathlib
 # Lowest first. An entry names a module, a package (everything under it), or a family `name_*` (modules
 # named after one: `deepspeed_zero` after `deepspeed_config`); the most specific entry places a module.
 LAYERS = [
-    ("foundation", ["zeroflax.version", "zeroflax.config", "zeroflax.config_*", "zeroflax.compat",
+    ("foundation", ["zeroflax.version", "zeroflax.axes", "zeroflax.config", "zeroflax.config_*", "zeroflax.compat",
                     "zeroflax.workdir", "zeroflax.distributed", "zeroflax.data", "zeroflax.kernels"]),
     ("sharding", ["zeroflax.sharding", "zeroflax.pipeline", "zeroflax.optim", "zeroflax.batch", "zeroflax.adapters"]),
     ("step parts", ["zeroflax.step", "zeroflax.remat_choice"]),

@@ -25,6 +25,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from zeroflax.sharding.policy import is_none
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, empty, corrupt or incompatible; the message names it."""
@@ -79,7 +81,7 @@ def _train_item(state) -> dict:
 
 def sync_layout(sync_state) -> list:
     """The shapes the sync state's meaning depends on (they encode the device count and each leaf's chunking)."""
-    return [None if x is None else list(x.shape) for x in jax.tree.leaves(sync_state, is_leaf=lambda x: x is None)]
+    return [None if x is None else list(x.shape) for x in jax.tree.leaves(sync_state, is_leaf=is_none)]
 
 
 def _abstract_with_shardings(tree, shardings):

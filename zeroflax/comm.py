@@ -33,9 +33,10 @@ import re
 import jax
 import numpy as np
 
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.hlo import (ARRAY_TYPE, DTYPE_BYTES, OP_NAME, array_bytes, computation_multipliers, first_replica_group,
                           scope_weight, source_target_pairs, split_computations)
-from zeroflax.sharding.mesh import PIPE_AXIS, TENSOR_AXIS
+from zeroflax.sharding.policy import is_placement
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -324,7 +325,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         by_axis[key] = by_axis.get(key, 0.0) + c.bytes_per_step
     stage = engine.config.zero_stage
     offload = engine.plan.offload
-    placements = jax.tree.leaves(engine.plan.placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
+    placements = jax.tree.leaves(engine.plan.placements, is_leaf=is_placement)
     without_data = [jax.sharding.NamedSharding(engine.mesh, p.spec(False)) for p in placements]
     leaves = jax.tree.leaves(engine.abstract_params)
     # This device's parameters once the pipe and tensor axes have split them (ZeRO then splits them N ways).
@@ -334,13 +335,13 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     data_theory = lambda params: engine.sync.data_axis_bytes(
         theory_bytes(stage, params, engine.data_size, compute, grad, accum, offload), stage, grad, engine.clock.of(
             engine.sync, phase))
-    theory_by_axis = {"data": data_theory(local)}
+    theory_by_axis = {DATA_AXIS: data_theory(local)}
     if engine.schedule is not None and stage >= 2:
         # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch and tick, a stage's
         # backward tick recomputes its forward (gathering again at 3), and only the first and last
         # stages use the shared leaves: no formula is claimed for that (docs/perf.md has the measured
         # bytes), so none is printed beside it.
-        del theory_by_axis["data"]
+        del theory_by_axis[DATA_AXIS]
     permute = sum(c.bytes_per_step for c in collectives if c.kind == "collective-permute")
     permute_theory = 0.0
     if schedule_tables is not None:
@@ -353,7 +354,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         permute_theory = sends * act_bytes / S  # per device: the pairs' sends spread over the S stages
         grads = jax.tree.leaves(engine.plan.grads)
         shared = _local_elements((leaves, grads, placements), None, lambda p: not p.stacked)
-        theory_by_axis["pipe"] = permute_theory + 2 * grad * shared * (S - 1) / S
+        theory_by_axis[PIPE_AXIS] = permute_theory + 2 * grad * shared * (S - 1) / S
     tensor = engine.mesh.shape.get(TENSOR_AXIS, 1)
     usage = engine.gather_usage
     sliced = [p for p in placements if TENSOR_AXIS in p.base]

@@ -13,13 +13,13 @@ import dataclasses
 import math
 from typing import Mapping
 
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.config_checks import ConfigError, configurable, is_int, require
 from zeroflax.config_offload import OffloadOptimizerConfig, OffloadParamConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-PIPE = "pipe"  # the pipeline mesh axis
 
 # Logical axis name -> mesh axis (or None = not partitioned). A tensor-parallel layout is a change of
 # this table, not of the model. The ZeRO data axis is added on top by the sharding policy.
@@ -27,13 +27,13 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", None),
     ("layers", None),
     ("embed", None),
-    ("vocab", "tensor"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
+    ("vocab", TENSOR_AXIS),
+    ("mlp", TENSOR_AXIS),
+    ("heads", TENSOR_AXIS),
     ("kv", None),
     ("length", None),
     ("conv_in", None),
-    ("conv_out", "tensor"),
+    ("conv_out", TENSOR_AXIS),
 )
 
 
@@ -46,14 +46,14 @@ class MeshConfig:
     axis (an explicit size) splits the stacked layers into pipeline stages.
     """
 
-    axes: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1, "tensor": 1})
+    axes: Mapping[str, int] = dataclasses.field(default_factory=lambda: {DATA_AXIS: -1, TENSOR_AXIS: 1})
 
     def __post_init__(self):
         axes = dict(self.axes)
         object.__setattr__(self, "axes", axes)
-        require("data" in axes and "tensor" in axes, "MeshConfig.axes",
-                f"must name at least the axes 'data' and 'tensor', got {list(axes)}",
-                "e.g. {'data': -1, 'tensor': 1}")
+        require(DATA_AXIS in axes and TENSOR_AXIS in axes, "MeshConfig.axes",
+                f"must name at least the axes '{DATA_AXIS}' and '{TENSOR_AXIS}', got {list(axes)}",
+                f"e.g. {{'{DATA_AXIS}': -1, '{TENSOR_AXIS}': 1}}")
         for name, size in axes.items():
             require(isinstance(name, str) and name.isidentifier(), "MeshConfig.axes",
                     f"axis name {name!r} is not an identifier")
@@ -259,9 +259,9 @@ class Config:
                 f"{self.pipeline_virtual_stages} virtual stages with the {self.pipeline_schedule!r} schedule: "
                 "only 'interleaved' runs several chunks per device, and it needs at least 2",
                 "set pipeline_schedule='interleaved' with pipeline_virtual_stages >= 2, or virtual stages 1")
-        require(PIPE not in self.mesh.axes or self.mesh.axes[PIPE] != -1, f"MeshConfig.axes['{PIPE}']",
-                "the pipe axis needs an explicit size (the schedule depends on it)", "e.g. {'pipe': 2}")
-        stages = self.mesh.axes.get(PIPE, 1)
+        require(PIPE_AXIS not in self.mesh.axes or self.mesh.axes[PIPE_AXIS] != -1, f"MeshConfig.axes['{PIPE_AXIS}']",
+                "the pipe axis needs an explicit size (the schedule depends on it)", f"e.g. {{'{PIPE_AXIS}': 2}}")
+        stages = self.mesh.axes.get(PIPE_AXIS, 1)
         if stages > 1:
             M = self.grad_accum_steps
             require(not (self.pipeline_schedule == "1f1b" and M < stages), "Config.grad_accum_steps",
@@ -298,8 +298,8 @@ class Config:
                     "Config.logical_rules", f"each rule must be (logical_name, mesh_axis_or_None), got {rule!r}")
             require(rule[1] is None or rule[1] in self.mesh.axes, "Config.logical_rules",
                     f"rule {rule!r} maps to mesh axis {rule[1]!r}, which MeshConfig.axes does not define")
-            require(rule[1] != "data", "Config.logical_rules",
-                    f"rule {rule!r} maps to 'data'; the data axis is reserved for ZeRO partitioning")
+            require(rule[1] != DATA_AXIS, "Config.logical_rules",
+                    f"rule {rule!r} maps to '{DATA_AXIS}'; the data axis is reserved for ZeRO partitioning")
         object.__setattr__(self, "logical_rules", rules)
         aliases = (self.data_axis_aliases,) if isinstance(self.data_axis_aliases, str) else self.data_axis_aliases
         require(isinstance(aliases, (tuple, list)) and all(isinstance(a, str) and a for a in aliases),

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import re
 
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.comm import megatron_all_reduces
 from zeroflax.hlo import computation_multipliers, scope_weight, split_computations
 
@@ -121,7 +122,7 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
 
     gpt = spec.gpt
     mesh = setup.mesh
-    n, tensor, pipe = mesh["data"], mesh.get("tensor", 1), mesh.get("pipe", 1)
+    n, tensor, pipe = mesh[DATA_AXIS], mesh.get(TENSOR_AXIS, 1), mesh.get(PIPE_AXIS, 1)
     compute = PRECISION_BYTES[setup.precision]
     share = (n - 1) / n
     optimizer_off = offload != "none"
@@ -153,7 +154,7 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
         host = grads_to_host + compute * copy_elements + accum * MASTER_BYTES * streamed
     activation = micro_batch * seq * gpt.d_model * compute  # one micro-batch's residual stream on one device
     if tensor > 1:
-        vocab_parallel = dict(setup.logical_rules or DEFAULT_LOGICAL_RULES).get("vocab") == "tensor"
+        vocab_parallel = dict(setup.logical_rules or DEFAULT_LOGICAL_RULES).get("vocab") == TENSOR_AXIS
         count = megatron_all_reduces(gpt.num_layers, pipe, 1, accum, remat, vocab_parallel)
         comm += count * 2 * activation * (tensor - 1) / tensor
     bubble = 0.0

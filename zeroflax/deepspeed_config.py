@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 import jax
 import optax
 
+from zeroflax.axes import DATA_AXIS
 from zeroflax.config import Config, ConfigError, MeshConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zeroflax.deepspeed_keys import as_int, check_block
 from zeroflax.deepspeed_optimizer import build_optimizer, read_optimizer
@@ -196,10 +197,10 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
     axes = dict(settings.bound.get("MeshConfig.axes", base.mesh.axes))
     axes = read_tensor_parallel(ds, settings, axes, notes)
     if world_size is not None:
-        axes["data"] = as_int(world_size, "world_size", 1)
+        axes[DATA_AXIS] = as_int(world_size, "world_size", 1)
     try:
         mesh = MeshConfig(axes)
-        data_size = world_size if world_size is not None else mesh.resolve(jax.device_count())["data"]
+        data_size = world_size if world_size is not None else mesh.resolve(jax.device_count())[DATA_AXIS]
     except ConfigError as error:
         raise _rekeyed(error) from None
     precision = read_precision(ds, settings, auto_base, notes)

@@ -6,6 +6,7 @@ DeepSpeed's batch rule over the data-parallel size), gradient_clipping, the acti
 """
 from __future__ import annotations
 
+from zeroflax.axes import TENSOR_AXIS
 from zeroflax.config import Config, ConfigError
 from zeroflax.deepspeed_keys import as_block, as_int, as_number, check_block
 from zeroflax.deepspeed_settings import AUTO, Settings
@@ -98,9 +99,9 @@ def read_tensor_parallel(ds: dict, settings: Settings, axes: dict, notes: list) 
     check_block(block, "tensor_parallel", notes)
     if "autotp_size" in block:
         size = max(1, as_int(block["autotp_size"], "tensor_parallel.autotp_size", 0))
-        bound = settings.bound.get("MeshConfig.axes", {}).get("tensor")
+        bound = settings.bound.get("MeshConfig.axes", {}).get(TENSOR_AXIS)
         if bound is not None and bound != size:
             raise ConfigError("tensor_parallel.autotp_size", f"gives a tensor axis of {size} but MeshConfig.axes is "
                               f"bound with tensor {bound} elsewhere (gin)", "remove one of the two, or make them agree")
-        axes = {**axes, "tensor": size}
+        axes = {**axes, TENSOR_AXIS: size}
     return axes

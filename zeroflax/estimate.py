@@ -38,6 +38,7 @@ import math
 import types
 from typing import Any
 
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.config import ConfigError
 
 MASTER_BYTES = 4  # fp32 master weights and gradients
@@ -175,7 +176,7 @@ class Setup:
 
     @property
     def data(self) -> int:
-        return self.mesh["data"]
+        return self.mesh[DATA_AXIS]
 
 
 def leaf_placements(spec: ModelSpec, setup: Setup):
@@ -185,17 +186,17 @@ def leaf_placements(spec: ModelSpec, setup: Setup):
 
     mesh = types.SimpleNamespace(shape=dict(setup.mesh), axis_names=tuple(setup.mesh))
     rules = setup.logical_rules or DEFAULT_LOGICAL_RULES
-    pipe = setup.mesh.get("pipe", 1)
+    pipe = setup.mesh.get(PIPE_AXIS, 1)
     out = []
     for leaf in spec.leaves:
         if leaf.names == ("flat",):  # a bare count: sliced by every model-parallel axis, always partitioned
-            split = math.prod(size for axis, size in setup.mesh.items() if axis != "data")
+            split = math.prod(size for axis, size in setup.mesh.items() if axis != DATA_AXIS)
             out.append((leaf, leaf.size / split, setup.data > 1))
             continue
         names = leaf.names or (None,) * len(leaf.shape)
         base = logical_to_mesh_axes(names, rules, mesh, "/".join(map(str, names)), leaf.shape)
         if leaf.stacked and pipe > 1:
-            base = ("pipe",) + tuple(base[1:])
+            base = (PIPE_AXIS,) + tuple(base[1:])
         split = math.prod(setup.mesh[a] for a in base if a is not None)
         zero_dim = choose_zero_dim(leaf.shape, base, setup.data, setup.persistence_threshold, leaf.stacked)
         out.append((leaf, leaf.size / split, zero_dim is not None))
@@ -313,9 +314,9 @@ def gpt_peak(spec: ModelSpec, setup: Setup, states: States, train: dict) -> floa
     With a tensor axis of T the activations count 1/T: Megatron's slicing splits those of the heads, the
     MLP and the vocabulary, not the residual stream's, so this under-counts them (docs/plan.md).
     tests/test_estimate.py measures the error against memory_analysis; docs/plan.md has the figures."""
-    if setup.mesh.get("pipe", 1) > 1:
+    if setup.mesh.get(PIPE_AXIS, 1) > 1:
         return None
-    tensor = setup.mesh.get("tensor", 1)
+    tensor = setup.mesh.get(TENSOR_AXIS, 1)
     gpt, remat, micro, accum = spec.gpt, train["remat"], train["micro_batch"], train["accum"]
     full = sum(MASTER_BYTES * local for _, local, _ in leaf_placements(spec, setup))
     shard = states.grad_buffer if states.stage >= 2 else zeroflax_states(spec, setup, 2).grad_buffer

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from zeroflax.axes import DATA_AXIS, TENSOR_AXIS
 from zeroflax import estimate
 from zeroflax.command_flags import parse_gin
 from zeroflax.config import ConfigError
@@ -87,7 +88,7 @@ def cmd_estimate(args) -> int:
         if args.gin_file or args.gin_param:
             raise ConfigError("--params", "give either --params or a gin config (--gin_file/--gin_param), not both")
         spec, config = estimate.spec_from_params(args.params, args.largest_layer_params), None
-        setup = estimate.Setup({"data": devices, "tensor": 1}, args.devices, args.precision or "bf16")
+        setup = estimate.Setup({DATA_AXIS: devices, TENSOR_AXIS: 1}, args.devices, args.precision or "bf16")
         train = None
     else:
         for flag, value in (("--largest_layer_params", args.largest_layer_params), ("--precision", args.precision)):

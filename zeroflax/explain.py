@@ -43,7 +43,7 @@ import numpy as np
 
 from zeroflax.buffer_assignment import Value, charge_regions, compile_with_buffers, peak_live
 from zeroflax.hlo import entry_arguments
-from zeroflax.sharding.policy import shard_bytes
+from zeroflax.sharding.policy import is_placement, shard_bytes
 from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE, GROUP_NAME, LAYERS_SCOPE, SCOPE_END, UPDATE_SCOPE
 
 PARAMS, GRADS, OPT = "parameters", "gradients", "optimizer state"
@@ -84,7 +84,7 @@ def _owner(path: str, groups: list) -> list:
 
 def _owners(engine) -> Owners:
     plan = engine.plan
-    placements = jax.tree.leaves(plan.placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
+    placements = jax.tree.leaves(plan.placements, is_leaf=is_placement)
     paths = [_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(engine.abstract_params)[0]]
     usage = engine.probe_usage
     groups = sorted((g.split("#")[0] for g in (usage.groups if usage is not None else {})), key=len, reverse=True)

@@ -25,9 +25,10 @@ import re
 import jax
 import numpy as np
 
+from zeroflax.axes import PIPE_AXIS, TENSOR_AXIS
 from zeroflax.hlo import ARRAY_TYPE, DTYPE_BYTES, array_bytes, split_computations
 from zeroflax.sharding.scopes import GROUP_NAME
-from zeroflax.sharding.policy import shard_bytes
+from zeroflax.sharding.policy import is_placement, shard_bytes
 
 
 @dataclasses.dataclass
@@ -193,11 +194,11 @@ def offload_theory(engine) -> tuple[float, float]:
     opt = sum(_bytes(x) for x in jax.tree.leaves(jax.eval_shape(engine.optimizer.init, engine.abstract_params)))
     compute = np.dtype(config.compute_dtype).itemsize
     if config.offload_param.enabled:  # only the persistent (never partitioned) leaves stay
-        placements = jax.tree.leaves(plan.placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
+        placements = jax.tree.leaves(plan.placements, is_leaf=is_placement)
         device = compute * sum(int(np.prod(p.shape)) for p in placements if p.zero_dim is None)
     else:
         device = compute * num_params / (engine.data_size if config.zero_stage == 3 else 1)
-    pipe, tensor = engine.mesh.shape.get("pipe", 1), engine.mesh.shape.get("tensor", 1)
+    pipe, tensor = engine.mesh.shape.get(PIPE_AXIS, 1), engine.mesh.shape.get(TENSOR_AXIS, 1)
     return device / (pipe * tensor), (master * num_params + opt) / engine.data_size / (pipe * tensor)
 
 
@@ -218,7 +219,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
     # Stages 0-1 accumulate unreduced gradients in full; stages 2-3 hold one shard.
     with_data = engine.config.zero_stage >= 2
     grad_shardings = jax.tree.map(lambda p: jax.sharding.NamedSharding(plan.mesh, p.spec(with_data)),
-                                  plan.placements, is_leaf=lambda x: hasattr(x, "zero_dim"))
+                                  plan.placements, is_leaf=is_placement)
     grads = shard_bytes(abstract.params, grad_shardings)
 
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
@@ -229,7 +230,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
         gathered = dict(gathered_peak=peak, gathered_by_group=by_group, gathered_wide_copies=wide,
                         groups=dict(engine.probe_usage.groups), gathered_on_entry=engine.gathered_on_entry_reasons())
     full_opt = sum(_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
-    pipe, tensor = engine.mesh.shape.get("pipe", 1), engine.mesh.shape.get("tensor", 1)
+    pipe, tensor = engine.mesh.shape.get(PIPE_AXIS, 1), engine.mesh.shape.get(TENSOR_AXIS, 1)
     offload = {}
     if plan.offload:
         theory_device, theory_host = offload_theory(engine)

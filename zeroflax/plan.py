@@ -35,6 +35,7 @@ import time
 import warnings
 from typing import Any
 
+from zeroflax.axes import PIPE_AXIS
 from zeroflax.config import ConfigError
 
 # The modeled peak is used to prune only when it exceeds the budget by more than this share: its largest
@@ -74,7 +75,7 @@ class Candidate:
     def config(self, base):
         from zeroflax.config import MeshConfig
         from zeroflax.estimate import row_config
-        axes = {"pipe": self.pipe} if self.pipe > 1 else {}
+        axes = {PIPE_AXIS: self.pipe} if self.pipe > 1 else {}
         axes.update(data=self.data, tensor=self.tensor)
         return row_config(base, self.stage, self.offload, mesh=MeshConfig(axes), remat=self.remat,
                           micro_batch_size=self.micro_batch, grad_accum_steps=self.accum,
@@ -164,7 +165,7 @@ class Planner:
 
     def setup(self, c: Candidate):
         from zeroflax.estimate import Setup
-        mesh = {"pipe": c.pipe} if c.pipe > 1 else {}
+        mesh = {PIPE_AXIS: c.pipe} if c.pipe > 1 else {}
         mesh.update(data=c.data, tensor=c.tensor)
         return Setup(mesh, self.devices, self.base.precision, self.base.persistence_threshold, self.base.logical_rules)
 

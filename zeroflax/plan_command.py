@@ -10,6 +10,7 @@ import json
 import re
 import sys
 
+from zeroflax.axes import DATA_AXIS
 from zeroflax import plan
 from zeroflax.command_flags import force_cpu_devices, int_list, parse_gin
 from zeroflax.config import ConfigError
@@ -86,7 +87,7 @@ def global_batch_of(config, devices: int) -> int:
     if config.train_batch_size is not None:
         return config.train_batch_size
     sizes = config.mesh.resolve(devices)
-    return config.micro_batch_size * config.grad_accum_steps * sizes["data"]
+    return config.micro_batch_size * config.grad_accum_steps * sizes[DATA_AXIS]
 
 
 def cmd_plan(args) -> int:

@@ -5,11 +5,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS  # noqa: F401 (the names the package imports from here)
 from zeroflax.config import MeshConfig
-
-DATA_AXIS = "data"
-PIPE_AXIS = "pipe"  # pipeline stages: the stacked layers are split over it
-TENSOR_AXIS = "tensor"  # tensor slicing (Megatron), left to XLA's partitioner inside the step
 
 
 def build_mesh(mesh_config: MeshConfig, devices=None) -> Mesh:
