@@ -18,8 +18,9 @@ Host <-> device traffic (offload) is counted from the step's program: every tran
 kinds (a `device_put` to another memory space) with its per-device bytes, times the trip counts of the
 scans around it (`host_transfers`). The compiled HLO cannot be used on the CPU backend, where host
 memory is device memory and XLA compiles the transfers away; on a GPU they are the copies XLA keeps.
-Theory per step, per device, with G the elements of this device's gradient shards, C those of the
-compute copy, S those of the streamed (offload_param) shards, K the optimizer state's bytes:
+Theory per step, per device (`OffloadedUpdate.host_traffic_theory`), with G the elements of this device's
+gradient shards, C those of the compute copy, S those of the streamed (offload_param) shards, K the
+optimizer state's bytes:
     update on the host:    device->host b_g G; host->device b_c C (+ M x 2 x b_master S, offload_param)
     update on the device:  host->device and device->host (b_master + K/elements) x master elements
 """
@@ -269,29 +270,6 @@ def host_transfers(jaxpr, times: int = 1, local: bool = False) -> tuple[float, f
     return to_device, to_host
 
 
-def host_traffic_theory(engine, phase: str = "steady") -> tuple[float, float]:
-    """(host->device, device->host) bytes per device per step that offload should move (module docstring);
-    a delayed step under the 'linear' prediction also brings the slope of the next update (bf16)."""
-    plan, config = engine.plan, engine.config
-    leaves = jax.tree.leaves(engine.abstract_params)
-    itemsize = lambda x: np.dtype(x.dtype).itemsize
-    master = [math.prod(s.shard_shape(tuple(x.shape))) * itemsize(x) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
-    if config.offload_optimizer.update == "device":
-        abstract_opt = jax.eval_shape(engine.optimizer.init, engine.abstract_params)
-        opt = sum(math.prod(s.shard_shape(tuple(x.shape))) * itemsize(x)
-                  for x, s in zip(jax.tree.leaves(abstract_opt), jax.tree.leaves(plan.opt_state)))
-        return sum(master) + opt, sum(master) + opt
-    grads = sum(math.prod(s.shard_shape(tuple(x.shape))) * itemsize(x)
-                for x, s in zip(leaves, jax.tree.leaves(plan.host_grads)))
-    compute = np.dtype(config.compute_dtype).itemsize
-    streamed = plan.streamed()
-    copy = sum(m // itemsize(x) * compute for m, x, st in zip(master, leaves, streamed) if not st)
-    stream = sum(m for m, st in zip(master, streamed) if st) * 2 * config.grad_accum_steps
-    offload = config.offload_optimizer
-    if offload.predicts and offload.delayed_update_prediction == "linear" and phase != "exact":
-        copy += sum(m // itemsize(x) * 2 for m, x, st in zip(master, leaves, streamed) if not st)
-    return copy + stream, grads
-
 
 def _local_elements(abstract, shardings, keep) -> int:
     """Elements one device holds of the leaves `keep(placement)` selects."""
@@ -373,7 +351,8 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         state_abs, batch_abs = engine.abstract_args(state, batch)
         jaxpr = jax.make_jaxpr(engine.step_function(batch_abs, phase))(state_abs, batch_abs).jaxpr
         to_device, to_host = host_transfers(jaxpr)
-        to_device_theory, to_host_theory = host_traffic_theory(engine, phase)
+        to_device_theory, to_host_theory = engine.update.host_traffic_theory(
+            engine.abstract_params, engine.clock.of(engine.update, phase))
         transfers = dict(host_to_device=to_device, device_to_host=to_host, host_to_device_theory=to_device_theory,
                        device_to_host_theory=to_host_theory)
     return CommReport(

@@ -185,22 +185,6 @@ def split_bytes(abstract_tree, sharding_tree) -> tuple[int, int]:
     return total, host
 
 
-def offload_theory(engine) -> tuple[float, float]:
-    """(device, host) bytes of model states at rest per device under offload (module docstring)."""
-    config, plan = engine.config, engine.plan
-    leaves = jax.tree.leaves(engine.abstract_params)
-    num_params = sum(int(np.prod(x.shape)) for x in leaves)
-    master = sum(_bytes(x) for x in leaves) / num_params
-    opt = sum(_bytes(x) for x in jax.tree.leaves(jax.eval_shape(engine.optimizer.init, engine.abstract_params)))
-    compute = np.dtype(config.compute_dtype).itemsize
-    if config.offload_param.enabled:  # only the persistent (never partitioned) leaves stay
-        placements = jax.tree.leaves(plan.placements, is_leaf=is_placement)
-        device = compute * sum(int(np.prod(p.shape)) for p in placements if p.zero_dim is None)
-    else:
-        device = compute * num_params / (engine.data_size if config.zero_stage == 3 else 1)
-    pipe, tensor = engine.mesh.shape.get(PIPE_AXIS, 1), engine.mesh.shape.get(TENSOR_AXIS, 1)
-    return device / (pipe * tensor), (master * num_params + opt) / engine.data_size / (pipe * tensor)
-
 
 def memory_report(engine, state, batch) -> MemoryReport:
     compiled = engine.compile(state, batch)
@@ -233,7 +217,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
     pipe, tensor = engine.mesh.shape.get(PIPE_AXIS, 1), engine.mesh.shape.get(TENSOR_AXIS, 1)
     offload = {}
     if plan.offload:
-        theory_device, theory_host = offload_theory(engine)
+        theory_device, theory_host = engine.update.at_rest_theory(engine.abstract_params)
         offload = dict(theory_device=theory_device, theory_host=theory_host)
     xla_host = {name: getattr(stats, f"host_{name}_size_in_bytes", 0) for name in ("argument", "output", "temp")}
     sync = {}

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -35,7 +37,7 @@ from zeroflax.optim.apply import apply_optimizer
 from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.collectives import all_gather_exact
 from zeroflax.sharding.manual import on_slices
-from zeroflax.sharding.mesh import DATA_AXIS
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_none, is_placement
 from zeroflax.step.parts import Updated
 
@@ -90,6 +92,51 @@ class OffloadedUpdate:
 
     def after(self, step: int, phase: str, view):
         return view
+
+    # ---------------------------------------------------------------------- its theory, for the reports
+    def at_rest_theory(self, abstract_params) -> tuple[float, float]:
+        """(device, host) bytes of model states at rest per device (docs/offload.md): the compute copy
+        on the device (stage 3: its shard; with offload_param only the persistent leaves), the master
+        weights and optimizer state on the host, partitioned over `data`."""
+        config, plan, mesh = self.config, self.plan, self.plan.mesh
+        nbytes = lambda x: math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        leaves = jax.tree.leaves(abstract_params)
+        num_params = sum(math.prod(x.shape) for x in leaves)
+        master = sum(nbytes(x) for x in leaves) / num_params
+        opt = sum(nbytes(x) for x in jax.tree.leaves(jax.eval_shape(self.optimizer.init, abstract_params)))
+        compute = np.dtype(config.compute_dtype).itemsize
+        data_size = mesh.shape[DATA_AXIS]
+        if config.offload_param.enabled:  # only the persistent (never partitioned) leaves stay
+            placements = jax.tree.leaves(plan.placements, is_leaf=is_placement)
+            device = compute * sum(math.prod(p.shape) for p in placements if p.zero_dim is None)
+        else:
+            device = compute * num_params / (data_size if config.zero_stage == 3 else 1)
+        pipe, tensor = mesh.shape.get(PIPE_AXIS, 1), mesh.shape.get(TENSOR_AXIS, 1)
+        return device / (pipe * tensor), (master * num_params + opt) / data_size / (pipe * tensor)
+
+    def host_traffic_theory(self, abstract_params, phase: str = STEADY) -> tuple[float, float]:
+        """(host->device, device->host) bytes per device per step (docs/offload.md): the gradient shards go
+        to the host, the compute copy comes back (with offload_param the streamed shards twice per
+        micro-batch); a delayed step under the 'linear' prediction also brings the slope (bf16); the
+        update on the device brings the master weights and optimizer state over and back."""
+        plan, config = self.plan, self.config
+        leaves = jax.tree.leaves(abstract_params)
+        itemsize = lambda x: np.dtype(x.dtype).itemsize
+        shard = lambda x, s: math.prod(s.shard_shape(tuple(x.shape))) * itemsize(x)
+        master = [shard(x, s) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
+        if config.offload_optimizer.update == "device":
+            abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+            opt = sum(shard(x, s) for x, s in zip(jax.tree.leaves(abstract_opt), jax.tree.leaves(plan.opt_state)))
+            return sum(master) + opt, sum(master) + opt
+        grads = sum(shard(x, s) for x, s in zip(leaves, jax.tree.leaves(plan.host_grads)))
+        compute = np.dtype(config.compute_dtype).itemsize
+        streamed = plan.streamed()
+        copy = sum(m // itemsize(x) * compute for m, x, st in zip(master, leaves, streamed) if not st)
+        stream = sum(m for m, st in zip(master, streamed) if st) * 2 * config.grad_accum_steps
+        offload = config.offload_optimizer
+        if offload.predicts and offload.delayed_update_prediction == "linear" and phase != EXACT:
+            copy += sum(m // itemsize(x) * 2 for m, x, st in zip(master, leaves, streamed) if not st)
+        return copy + stream, grads
 
     # ------------------------------------------------------------------------ its TrainState fields
     def field_shardings(self) -> dict:
