@@ -19,7 +19,7 @@ import socket
 import sys
 
 from zeroflax import estimate_command, explain_command, export, plan_command
-from zeroflax.command_flags import force_cpu_devices, parse_gin
+from zeroflax.command_flags import add_gin_flags, force_cpu_devices, parse_gin
 from zeroflax.distributed import DEVICES_ENV, env_int, run_processes
 
 EXIT_USAGE = 2
@@ -97,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command_name", required=True)
 
     train = sub.add_parser("train", help="train the GPT from gin configs")
-    train.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    train.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. 'Config.zero_stage = 2'")
+    add_gin_flags(train, param_help="gin binding, e.g. 'Config.zero_stage = 2'")
     train.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     train.add_argument("--overwrite", action="store_true",
                        help="remove an earlier run in the workdir (checkpoints, metrics, TensorBoard) and start anew")

@@ -19,6 +19,13 @@ def force_cpu_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
 
 
+def add_gin_flags(parser, file_help: str = "gin config file (repeatable)",
+                  param_help: str = "gin binding (repeatable)") -> None:
+    """--gin_file and --gin_param, as every command that reads the GPT's gin config takes them."""
+    parser.add_argument("--gin_file", action="append", default=[], help=file_help)
+    parser.add_argument("--gin_param", action="append", default=[], help=param_help)
+
+
 def parse_gin(files, bindings):
     import gin
 

@@ -13,8 +13,8 @@ Two independent columns, each with its source:
   (`sharding.policy.choose_zero_dim`: the persistence threshold, divisibility by the data size) on the
   mesh (tensor and pipe slicing through the logical rules), fp32 master weights (P bytes), the
   optimizer's state (K bytes per parameter, Adam 8), the compute-dtype copy under offload, and the
-  gradient buffer (docs/design.md sections 2 and 5; memory.theory_at_rest and OffloadedUpdate.at_rest_theory give the same
-  figures when every leaf is partitioned). Per device it gives:
+  gradient buffer (docs/design.md sections 2 and 5; memory.theory_at_rest and
+  OffloadedUpdate.at_rest_theory give the same figures when every leaf is partitioned). Per device it gives:
 
     at rest     parameters, optimizer state (and under offload the compute copy) in device memory; under
                 offload the master weights and optimizer state are in host memory instead (12 Psi / N),

@@ -9,7 +9,7 @@ import json
 
 from zeroflax.axes import DATA_AXIS, TENSOR_AXIS
 from zeroflax import estimate
-from zeroflax.command_flags import parse_gin
+from zeroflax.command_flags import add_gin_flags, parse_gin
 from zeroflax.config import ConfigError
 
 
@@ -61,8 +61,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("estimate", help="memory per device and per host for ZeRO stages 0-3 with and "
                                                "without offload: DeepSpeed's formulas beside zeroflax's placement",
                               description=estimate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable): the GPT of zeroflax train")
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
+    add_gin_flags(p, file_help="gin config file (repeatable): the GPT of zeroflax train")
     p.add_argument("--params", type=float, default=None, help="a bare parameter count instead of a gin config, e.g. 1.3e9")
     p.add_argument("--largest_layer_params", type=float, default=None,
                    help="with --params: the largest layer's parameters (DeepSpeed's ZeRO-3 formula; default 0)")

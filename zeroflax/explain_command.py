@@ -9,7 +9,7 @@ import argparse
 import json
 
 from zeroflax import explain
-from zeroflax.command_flags import force_cpu_devices, int_list, parse_gin
+from zeroflax.command_flags import add_gin_flags, force_cpu_devices, int_list, parse_gin
 from zeroflax.config import ConfigError
 
 
@@ -18,8 +18,7 @@ def add_parser(subparsers) -> None:
         "explain", help="where the memory goes: every byte of the GPT's compiled step per layer and category, "
                         "per ZeRO stage (compile-only), as a table and a figure",
         description=explain.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
+    add_gin_flags(p)
     p.add_argument("--devices", type=int, default=8, help="devices (simulated CPU devices here; default 8)")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages, one panel each (default 0,1,2,3)")
     p.add_argument("--png", default=None, help="write the figure here (needs matplotlib)")

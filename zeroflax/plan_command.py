@@ -12,7 +12,7 @@ import sys
 
 from zeroflax.axes import DATA_AXIS
 from zeroflax import plan
-from zeroflax.command_flags import force_cpu_devices, int_list, parse_gin
+from zeroflax.command_flags import add_gin_flags, force_cpu_devices, int_list, parse_gin
 from zeroflax.config import ConfigError
 from zeroflax.cost import Rates
 
@@ -35,8 +35,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="search ZeRO stage, offload, remat, micro-batching and mesh for the "
                                            "cheapest GPT configuration that fits (compile-only)",
                               description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
+    add_gin_flags(p)
     p.add_argument("--devices", type=int, default=8, help="devices (simulated CPU devices here; default 8)")
     p.add_argument("--device-memory", required=True, help="per-device budget, e.g. 80GB, 80GiB, 16MiB")
     p.add_argument("--host-memory", default=None, help="host memory budget (one host), e.g. 512GB")
