@@ -3,6 +3,7 @@ which combinations are refused (with the Config key at fault)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 
 import jax
@@ -40,8 +41,9 @@ class Parts:
         return (isinstance(self.source, Accumulation) and isinstance(self.sync, ZeroGradSync)
                 and isinstance(self.update, DeviceUpdate))
 
-    @property
+    @functools.cached_property
     def clock(self) -> PhaseClock:
+        """The step's phase clock (one per engine: it follows the step number on the host)."""
         return PhaseClock((self.source, self.sync, self.update))
 
 
