@@ -176,8 +176,8 @@ class Engine:
 
     def probe(self, state, batch) -> GatherUsage:
         """What the loss does with its parameters (the probe's abstract trace), traced now if the step
-        has not been yet."""
-        return self.trace.probe(self.update.loss_params(state), batch, state.model_state)
+        has not been yet. The loss takes `state.params` as they are (abstract ones too)."""
+        return self.trace.probe(state.params, batch, state.model_state)
 
     @property
     def probe_usage(self) -> GatherUsage | None:

@@ -196,6 +196,9 @@ class OffloadedUpdate:
     def __call__(self, state, synced, phase: str):
         """The update of `synced.grads` (reduced, on the device), as `zeroflax.step.parts.Updated`."""
         plan, offload = self.plan, self.config.offload_optimizer
+        if synced.norm is not None or synced.extra:  # a sync that measures and clips, or feeds the optimizer
+            raise ValueError("the offloaded update takes plain reduced gradients; a sync that measures the norm "
+                             "or passes optimizer.update arguments (1-bit Adam) is not built with offload")
         grads, delayed = synced.grads, phase != EXACT
         # device -> host: the reduced gradient shards (the device update keeps them where they are)
         host_grads = jax.device_put(grads, plan.host_grads) if offload.update == "host" else grads
