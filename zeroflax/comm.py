@@ -38,6 +38,7 @@ from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.hlo import (ARRAY_TYPE, DTYPE_BYTES, OP_NAME, array_bytes, computation_multipliers, first_replica_group,
                           scope_weight, source_target_pairs, split_computations)
 from zeroflax.sharding.policy import is_placement
+from zeroflax.step.phases import STEADY
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -146,7 +147,7 @@ class CommReport:
     device_to_host: float = 0.0
     host_to_device_theory: float = 0.0
     device_to_host_theory: float = 0.0
-    phase: str = "steady"  # which of the engine's step programs (1-bit Adam: 'warmup', 'first', 'compressed')
+    phase: str = STEADY  # which of the engine's step programs (1-bit Adam: 'warmup', 'first', 'compressed')
 
     @property
     def ratio(self) -> float:
@@ -158,7 +159,7 @@ class CommReport:
         return json.loads(json.dumps(out))
 
     def __str__(self) -> str:
-        phase = "" if self.phase == "steady" else f", {self.phase} step"
+        phase = "" if self.phase == STEADY else f", {self.phase} step"
         lines = [f"communication per step, per device (ZeRO stage {self.stage}, N={self.data_size}, "
                  f"Psi={self.num_params:,}{phase})",
                  f"  {'collective':<20}{'count':>8}{'MiB':>12}"]

@@ -40,6 +40,7 @@ from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_none, is_placement
 from zeroflax.step.parts import Updated
+from zeroflax.step.phases import STEADY
 
 
 def on_device(shardings):
@@ -65,7 +66,7 @@ def linearized_update(optimizer: optax.GradientTransformation, params, opt_state
     return center, slope
 
 
-EXACT, STEADY = "exact", "steady"  # the delayed update's phases: before delayed_update_start, and after
+EXACT = "exact"  # the delayed update's phase before delayed_update_start (STEADY after it)
 
 
 @dataclasses.dataclass(frozen=True)
