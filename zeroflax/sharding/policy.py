@@ -3,10 +3,12 @@
 Two layers compose per leaf:
   1. its own partitioning, from logical axis names through `Config.logical_rules` (tensor slicing);
   2. with a `pipe` axis, the stacked-layer dimension over it (each pipeline stage holds its layers);
-  3. ZeRO's partitioning over the `data` axis: the largest dimension that is divisible by the data
-     size and not already partitioned (ties go to the last dimension). Leaves smaller than
-     `Config.persistence_threshold` (per layer, for stacked layers) stay replicated, as do leaves with
-     no such dimension. The stacked-layer dimension itself (logical name 'layers' in front) is never
+  3. ZeRO's partitioning over the `data` axis, on any data size: of the dimensions not already
+     partitioned, one the data size divides (the largest; ties go to the last), else the one whose
+     padding to a multiple of the data size adds the fewest elements (`sharding.padding`: the leaf is
+     stored padded, every reader sees its true shape). Leaves smaller than `Config.persistence_threshold`
+     (per layer, for stacked layers) stay replicated, as do leaves whose every dimension is already
+     partitioned. The stacked-layer dimension itself (logical name 'layers' in front) is never
      ZeRO-partitioned, so that a scan over layers gathers one layer at a time.
 
 Which states carry the data axis is the one table ZeRO is about:
@@ -36,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroflax.config import Config, ConfigError
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
+from zeroflax.sharding.padding import stored_abstract, stored_shape
 
 LAYERS_AXIS = "layers"
 
@@ -56,6 +59,14 @@ class LeafPlacement:
     base: tuple[Any, ...]  # mesh axis name (or None) for each dimension, without the data axis
     zero_dim: int | None  # the dimension partitioned over `data`, or None (replicated over data)
     stacked: bool  # leading dimension is a stack of layers
+    pad: int = 0  # zeros appended to `zero_dim` where the leaf is partitioned (sharding.padding)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of the leaf where it is partitioned over `data` (padded along `zero_dim`)."""
+        if not self.pad:
+            return self.shape
+        return tuple(n + self.pad if d == self.zero_dim else n for d, n in enumerate(self.shape))
 
     def spec(self, with_data: bool) -> P:
         axes = list(self.base)
@@ -93,16 +104,27 @@ def is_none(x) -> bool:
 
 def choose_zero_dim(shape, base, data_size: int, threshold: int, stacked: bool) -> int | None:
     """The dimension ZeRO partitions over the data axis, or None to keep the leaf replicated."""
+    return zero_placement(shape, base, data_size, threshold, stacked)[0]
+
+
+def zero_placement(shape, base, data_size: int, threshold: int, stacked: bool) -> tuple[int | None, int]:
+    """(the dimension ZeRO partitions over the data axis or None, the zeros it is padded with).
+
+    A dimension the data size divides costs no padding and is taken first (the largest; ties go to the
+    last dimension); else the dimension whose padding adds the fewest elements (ties: the larger)."""
     if data_size == 1 or len(shape) == 0:
-        return None
+        return None, 0
     first = 1 if stacked else 0
     per_layer = math.prod(shape[first:])
     if per_layer < max(threshold, 1):
-        return None
-    candidates = [d for d in range(first, len(shape)) if base[d] is None and shape[d] % data_size == 0]
+        return None, 0
+    candidates = [d for d in range(first, len(shape)) if base[d] is None]
     if not candidates:
-        return None
-    return max(candidates, key=lambda d: (shape[d], d))
+        return None, 0
+    pad = lambda d: -shape[d] % data_size
+    added = lambda d: pad(d) * math.prod(n for i, n in enumerate(shape) if i != d)
+    dim = min(candidates, key=lambda d: (added(d), -shape[d], -d))
+    return dim, pad(dim)
 
 
 def logical_to_mesh_axes(names, rules, mesh: Mesh, path: str, shape) -> tuple:
@@ -165,8 +187,8 @@ def place_params(abstract_params, logical_axes, mesh: Mesh, config: Config):
             stacked = len(names) > 0 and names[0] == LAYERS_AXIS
             if stacked and pipe_size(mesh) > 1:  # pipeline: each stage holds its own layers
                 base = (PIPE_AXIS,) + base[1:]
-        zero_dim = choose_zero_dim(shape, base, data_size, config.persistence_threshold, stacked)
-        placements.append(LeafPlacement(shape, base, zero_dim, stacked))
+        zero_dim, pad = zero_placement(shape, base, data_size, config.persistence_threshold, stacked)
+        placements.append(LeafPlacement(shape, base, zero_dim, stacked, pad))
     return jax.tree_util.tree_unflatten(treedef, placements)
 
 
@@ -184,6 +206,20 @@ class ShardingPlan:
     # streamed from the host), and the reduced gradients' place on the host.
     compute: Any = None
     host_grads: Any = None
+    # The true shapes (ShapeDtypeStructs) of the parameters and the optimizer state: the states are
+    # stored padded where a partitioned dimension is not a multiple of its shards (sharding.padding).
+    abstract_params: Any = None
+    abstract_opt_state: Any = None
+
+    def stored(self, what: str):
+        """ShapeDtypeStructs (with shardings) of 'params', 'grads' or 'opt_state' as stored."""
+        abstract = self.abstract_opt_state if what == "opt_state" else self.abstract_params
+        return stored_abstract(abstract, getattr(self, what))
+
+    @property
+    def padded(self) -> bool:
+        """Whether any partitioned leaf is padded (the data size divides none of its dimensions)."""
+        return any(p.pad for p in jax.tree.leaves(self.placements, is_leaf=is_placement))
 
     @property
     def offload(self) -> bool:
@@ -194,6 +230,13 @@ class ShardingPlan:
         if self.compute is None:
             return [False] * len(jax.tree.leaves(self.placements, is_leaf=is_placement))
         return [c is None for c in jax.tree.leaves(self.compute, is_leaf=is_none)]
+
+    def true_params_shardings(self):
+        """Where the parameters go in their true shapes (`Engine.model_params`): as at rest, except that a
+        leaf stored padded is whole over `data` (a jax.Array cannot split it unevenly)."""
+        def one(p: LeafPlacement, at_rest: NamedSharding):
+            return at_rest if not p.pad else NamedSharding(self.mesh, p.spec(False), memory_kind=at_rest.memory_kind)
+        return jax.tree.map(one, self.placements, self.params, is_leaf=is_placement)
 
     @property
     def replicated(self) -> NamedSharding:
@@ -234,8 +277,9 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_st
             return NamedSharding(mesh, placement.spec(with_data), memory_kind=memory_kind)
         shape = tuple(state_leaf.shape)
         base = (None,) * len(shape)
-        zero_dim = choose_zero_dim(shape, base, data_size, config.persistence_threshold, False)
-        return NamedSharding(mesh, LeafPlacement(shape, base, zero_dim, False).spec(with_data), memory_kind=memory_kind)
+        zero_dim, pad = zero_placement(shape, base, data_size, config.persistence_threshold, False)
+        return NamedSharding(mesh, LeafPlacement(shape, base, zero_dim, False, pad).spec(with_data),
+                             memory_kind=memory_kind)
 
     def for_other(state_leaf):
         return NamedSharding(mesh, P(), memory_kind=memory_kind) if hasattr(state_leaf, "shape") else state_leaf
@@ -267,13 +311,16 @@ def make_plan(optimizer, abstract_params, logical_axes, mesh: Mesh, config: Conf
         opt_state=opt_state_shardings(optimizer, abstract_opt, placements, mesh, config, which["opt_state"], host),
         compute=compute,
         host_grads=host_grads,
+        abstract_params=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params),
+        abstract_opt_state=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_opt),
     )
 
 
 def shard_bytes(abstract_tree, sharding_tree) -> int:
-    """Bytes one device holds of a tree of arrays under the given shardings."""
+    """Bytes one device holds of a tree of arrays under the given shardings (padding included: the leaves
+    may have their true or their stored shapes)."""
     total = 0
     for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(sharding_tree)):
-        shard_shape = sharding.shard_shape(tuple(leaf.shape))
+        shard_shape = sharding.shard_shape(stored_shape(leaf.shape, sharding))
         total += math.prod(shard_shape) * np.dtype(leaf.dtype).itemsize
     return total
