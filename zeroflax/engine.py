@@ -34,6 +34,7 @@ from zeroflax.pipeline.executor import tables
 from zeroflax.remat_choice import settle_remat
 from zeroflax.sharding.context import GatherUsage
 from zeroflax.sharding.mesh import DATA_AXIS, build_mesh
+from zeroflax.sharding.padding import fit, to_true
 from zeroflax.sharding.policy import ShardingPlan, make_plan
 from zeroflax.sharding.scopes import UPDATE_SCOPE
 from zeroflax.step.build import abstract_state, build_parts, state_shardings
@@ -69,6 +70,7 @@ class Engine:
         self._jit_steps: dict = {}  # phase -> the jitted step
         self._compiled: dict = {}
         self._jit_eval = None
+        self._jit_true_params = None
         self._remat_settled = False
 
     # ------------------------------------------------------------------------------- the step
@@ -149,7 +151,7 @@ class Engine:
         batch = self.put_batch(batch)
         if self._jit_eval is None:
             def eval_loss(params, batch, model_state):
-                params = self.layers.to_model_in_step(self.update.readable(params))
+                params = to_true(self.layers.to_model_in_step(self.update.readable(params)), self.abstract_params)
                 dtype = self.config.compute_dtype
                 loss, _, _ = self.trace.call(floats_to(params, dtype), floats_to(batch, dtype), None, model_state)
                 return loss.astype(jnp.float32)
@@ -211,19 +213,28 @@ class Engine:
         return self.update.restored(self.layers.convert("state", state, False, self.state_shardings))
 
     def model_params(self, state: TrainState):
-        """`state.params` in model order (layer i of the stack is the model's layer i)."""
-        return self.layers.convert("params", state.params, True, self.plan.params)
+        """`state.params` as the model declares them: stacked layers in model order (layer i of the stack is
+        the model's layer i), true shapes (a leaf stored padded comes back whole over `data`)."""
+        params = self.layers.convert("params", state.params, True, self.plan.params)
+        if not self.plan.padded:
+            return params
+        if self._jit_true_params is None:
+            self._jit_true_params = jax.jit(lambda p: to_true(p, self.abstract_params),
+                                            out_shardings=self.plan.true_params_shardings())
+        return self._jit_true_params(params)
 
     def with_compute_copy(self, state: TrainState) -> TrainState:
         """`state` with the update's derived fields (offload's compute copy) remade from its master
         weights (after a restore, or a change to `state.params`); `state` itself otherwise."""
         return self.update.refreshed(state)
 
-    def abstract_state(self) -> TrainState:
+    def abstract_state(self, stored: bool = True) -> TrainState:
         """The initial TrainState as ShapeDtypeStructs with their shardings: what `compile` needs to
-        compile the step without creating a state (zeroflax plan compiles configurations it never runs)."""
+        compile the step without creating a state (zeroflax plan compiles configurations it never runs).
+        Stored shapes (padded where partitioned unevenly, `sharding.padding`), or with `stored` False the
+        true ones (what checkpoints record)."""
         return abstract_state(self.parts, self.config, self.optimizer, self.abstract_params,
-                              self.abstract_model_state, self.state_shardings)
+                              self.abstract_model_state, self.state_shardings, stored)
 
     # ---------------------------------------------------------------------------------- batches
     def batch_share(self) -> tuple[int, int]:
@@ -346,16 +357,19 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
         return engine, engine.abstract_state()
 
     state_sharding = engine.state_shardings.model_state
+    stored = lambda tree: fit(tree, plan.abstract_params, plan.params)  # padded where partitioned unevenly
     if callable(params):
         def init_all(*args):
             tree, state_tree = _split_variables(init_fn(*args), collections)
-            return unbox(tree)[0], (unbox(state_tree)[0] if collections else None)
+            return stored(unbox(tree)[0]), (unbox(state_tree)[0] if collections else None)
         init_params, init_state = jax.jit(init_all, out_shardings=(plan.params, state_sharding))(*init_args)
     else:
         # A fresh copy: the step donates its state, and the caller keeps their arrays.
-        init_params, init_state = jax.jit(lambda tree, st: (tree, st), out_shardings=(plan.params, state_sharding))(
+        init_params, init_state = jax.jit(lambda tree, st: (stored(tree), st), out_shardings=(plan.params, state_sharding))(
             params, unbox(state_tree)[0] if collections else None)
-    opt_state = jax.jit(optimizer.init, out_shardings=plan.opt_state)(init_params)
+    # The optimizer starts from the true shapes (a factored statistic's shape is the true one's).
+    opt_init = lambda p: fit(optimizer.init(to_true(p, plan.abstract_params)), plan.abstract_opt_state, plan.opt_state)
+    opt_state = jax.jit(opt_init, out_shardings=plan.opt_state)(init_params)
     sync_state = jax.jit(engine.sync.init_state, out_shardings=engine.state_shardings.sync_state)()
     state = TrainState(step=jnp.asarray(0, jnp.int32), params=init_params, opt_state=opt_state,
                        loss_scale=engine.scaler.init(), rng=step_rng, model_state=init_state, sync_state=sync_state,

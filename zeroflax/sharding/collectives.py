@@ -8,6 +8,10 @@ its local shard; where it is used it is gathered (`gather_for_compute`; a handle
             with qwZ all-gather int8 blocks and their scales and dequantize on arrival
   backward  reduce-scatter the weight's cotangent in the gradient dtype (fp32)
 
+A leaf that the data size does not divide is stored padded (`sharding.padding`): the gather cuts the
+padding off, and the backward pass pads the cotangent with zeros before the reduce-scatter, so the model
+sees the true shape and the padding gets a zero gradient.
+
 It is a `custom_vjp`, so the reduction is a reduce-scatter by construction, not whatever the
 partitioner infers, and it keeps no residual. No remat policy (`sharding.remat`) saves the gathered
 weights (they are not matmul outputs): the backward pass gathers again, as ZeRO-3 does, instead of
@@ -78,16 +82,41 @@ def _quantized_all_gather(shard, dim: int, axis: str, compute_dtype, block: int)
     return parts.reshape(shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def gather_for_compute(shard, dim: int, axis: str, compute_dtype, quant_block: int = 0, sliced: tuple = ()):
+def cut_padding(x, dim: int, pad: int):
+    """x without the last `pad` entries along `dim` (the padding of a stored leaf)."""
+    if not pad:
+        return x
+    return jax.lax.slice_in_dim(x, 0, x.shape[dim] - pad, axis=dim)
+
+
+def add_padding(x, dim: int, pad: int):
+    """x with `pad` zeros appended along `dim` (the stored leaf's padding)."""
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def padded_scatter(x, dim: int, axis: str, pad: int = 0):
+    """The reduce-scatter of x (true shape) over `axis` along `dim` into this device's shard of the stored
+    (padded) leaf."""
+    return jax.lax.psum_scatter(add_padding(x, dim, pad), axis, scatter_dimension=dim, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def gather_for_compute(shard, dim: int, axis: str, compute_dtype, quant_block: int = 0, sliced: tuple = (),
+                       pad: int = 0):
     """All-gather a ZeRO-3 shard along `dim` over mesh axis `axis`, in `compute_dtype`.
 
     quant_block > 0: ZeRO++'s quantized weights (qwZ): int8 blocks of that many elements travel
     instead of the compute dtype; the gradient is the reduce-scatter of the cotangent either way.
     sliced: the automatic mesh axis (tensor) slicing each dimension, or None: the gather and its
     reduce-scatter move this device's tensor slice only (`sharding.manual`).
+    pad: the stored leaf's padding along `dim`, cut off after the gather (`sharding.padding`).
     """
-    return on_slices(lambda s: _gather_shard(s, dim, axis, compute_dtype, quant_block), shard, sliced)
+    return on_slices(lambda s: cut_padding(_gather_shard(s, dim, axis, compute_dtype, quant_block), dim, pad),
+                     shard, sliced)
 
 
 def _gather_shard(shard, dim: int, axis: str, compute_dtype, quant_block: int):
@@ -96,13 +125,14 @@ def _gather_shard(shard, dim: int, axis: str, compute_dtype, quant_block: int):
     return all_gather_exact(shard.astype(compute_dtype), dim, axis)
 
 
-def _gather_fwd(shard, dim, axis, compute_dtype, quant_block, sliced):
+def _gather_fwd(shard, dim, axis, compute_dtype, quant_block, sliced, pad):
     # The only residual is a zero-size array carrying the master dtype for the backward cast.
-    return gather_for_compute(shard, dim, axis, compute_dtype, quant_block, sliced), jnp.zeros((0,), shard.dtype)
+    return (gather_for_compute(shard, dim, axis, compute_dtype, quant_block, sliced, pad),
+            jnp.zeros((0,), shard.dtype))
 
 
-def _gather_bwd(dim, axis, compute_dtype, quant_block, sliced, dtype_carrier, cotangent):
-    scatter = lambda c: jax.lax.psum_scatter(c.astype(dtype_carrier.dtype), axis, scatter_dimension=dim, tiled=True)
+def _gather_bwd(dim, axis, compute_dtype, quant_block, sliced, pad, dtype_carrier, cotangent):
+    scatter = lambda c: padded_scatter(c.astype(dtype_carrier.dtype), dim, axis, pad)
     return (on_slices(scatter, cotangent, sliced),)
 
 
@@ -114,8 +144,9 @@ def in_host_memory(x) -> bool:
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def gather_from_host(sink, source, dim: int, axis: str, compute_dtype, quant_block: int = 0, sliced: tuple = ()):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def gather_from_host(sink, source, dim: int, axis: str, compute_dtype, quant_block: int = 0, sliced: tuple = (),
+                     pad: int = 0):
     """`gather_for_compute` of a shard held in host memory (ZeRO-3 with `offload_param`).
 
     `source`, this device's shard of the master weights on the host, comes to the device and is
@@ -125,17 +156,18 @@ def gather_from_host(sink, source, dim: int, axis: str, compute_dtype, quant_blo
     """
     del sink
     # Per tensor slice: each device streams only its own slice of the shard.
-    stream = lambda s: _gather_shard(jax.device_put(s, jax.memory.Space.Device), dim, axis, compute_dtype, quant_block)
+    stream = lambda s: cut_padding(_gather_shard(jax.device_put(s, jax.memory.Space.Device), dim, axis,
+                                                 compute_dtype, quant_block), dim, pad)
     return on_slices(stream, source, sliced)
 
 
-def _from_host_fwd(sink, source, dim, axis, compute_dtype, quant_block, sliced):
-    out = gather_from_host(sink, source, dim, axis, compute_dtype, quant_block, sliced)
+def _from_host_fwd(sink, source, dim, axis, compute_dtype, quant_block, sliced, pad):
+    out = gather_from_host(sink, source, dim, axis, compute_dtype, quant_block, sliced, pad)
     return out, jnp.zeros((0,), sink.dtype)
 
 
-def _from_host_bwd(dim, axis, compute_dtype, quant_block, sliced, dtype_carrier, cotangent):
-    (grad,) = _gather_bwd(dim, axis, compute_dtype, quant_block, sliced, dtype_carrier, cotangent)
+def _from_host_bwd(dim, axis, compute_dtype, quant_block, sliced, pad, dtype_carrier, cotangent):
+    (grad,) = _gather_bwd(dim, axis, compute_dtype, quant_block, sliced, pad, dtype_carrier, cotangent)
     return grad, None
 
 

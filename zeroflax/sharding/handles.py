@@ -32,7 +32,8 @@ class ShardedLeaf:
     slice; `index` is the leaf's position in the flattened parameters (for the engine's bookkeeping);
     `sliced` names the automatic mesh axis (tensor) slicing each dimension of one slice, or None.
     With `source` (offload_param), the shard lives on the host and `shard` is its device gradient
-    sink (see `gather_from_host`).
+    sink (see `gather_from_host`). `pad`: the stored leaf's padding along `dim`, which the gather cuts
+    off (`sharding.padding`).
     """
 
     shard: Any
@@ -44,19 +45,20 @@ class ShardedLeaf:
     quant_block: int = 0
     sliced: tuple = ()
     source: Any = None
+    pad: int = 0
 
     def tree_flatten(self):
         if _shape_views:  # a model's own shape checks are looking: one leaf of the gathered shape
             return (GlobalShapeView(self),), None
         return (self.shard, self.source), (self.dim, self.axis, self.compute_dtype, self.shape, self.index, self.quant_block,
-                               self.sliced)
+                               self.sliced, self.pad)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         if aux is None:  # flattened as a view (a tree map that kept the leaf gives the view back)
             view = children[0]
             return view.handle if isinstance(view, GlobalShapeView) else view
-        return cls(children[0], *aux, source=children[1])
+        return cls(children[0], *aux[:-1], source=children[1], pad=aux[-1])
 
     @property
     def global_shape(self) -> tuple:
@@ -90,8 +92,9 @@ class ShardedLeaf:
     def _gathered(self):
         if self.source is not None:
             return gather_from_host(self.shard, self.source, self.dim, self.axis, self.compute_dtype,
-                                    self.quant_block, self.sliced)
-        return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block, self.sliced)
+                                    self.quant_block, self.sliced, self.pad)
+        return gather_for_compute(self.shard, self.dim, self.axis, self.compute_dtype, self.quant_block, self.sliced,
+                                  self.pad)
 
     def __jax_array__(self):
         usage = current_usage()

@@ -14,6 +14,7 @@ from zeroflax.optim import onebit
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order
 from zeroflax.pipeline.schedule import build_schedule
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
+from zeroflax.sharding.padding import stored_abstract
 from zeroflax.sharding.policy import ShardingPlan
 from zeroflax.step.accumulate import Accumulation
 from zeroflax.step.device_update import DeviceUpdate
@@ -129,8 +130,10 @@ def state_shardings(parts: Parts, plan: ShardingPlan, abstract_model_state) -> T
 
 
 def abstract_state(parts: Parts, config: Config, optimizer, abstract_params, abstract_model_state,
-                   shardings: TrainState) -> TrainState:
-    """The initial TrainState as ShapeDtypeStructs with their shardings."""
+                   shardings: TrainState, stored: bool = True) -> TrainState:
+    """The initial TrainState as ShapeDtypeStructs with their shardings, in their stored shapes (padded where
+    a partitioned dimension is not a multiple of its shards: `sharding.padding`), or (`stored` False) their
+    true shapes, without shardings."""
     state = TrainState(
         step=jax.ShapeDtypeStruct((), jax.numpy.int32), params=abstract_params,
         opt_state=jax.eval_shape(optimizer.init, abstract_params),
@@ -138,5 +141,5 @@ def abstract_state(parts: Parts, config: Config, optimizer, abstract_params, abs
         rng=jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(config.seed))[1]),
         model_state=abstract_model_state,
         sync_state=jax.eval_shape(parts.sync.init_state), **parts.update.abstract_fields(abstract_params))
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    return stored_abstract(state, shardings) if stored else state
 

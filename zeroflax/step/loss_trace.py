@@ -80,7 +80,7 @@ class LossTrace:
                 first = 1 if placement.stacked else 0  # a stack's handle describes one layer
                 dim, sliced = placement.zero_dim - first, placement.auto_spec()[first:]
                 handle = ShardedLeaf(leaf, dim, DATA_AXIS, dtype, tuple(placement.shape[first:]), index, block,
-                                     sliced, sources[index])
+                                     sliced, sources[index], placement.pad)
                 return handle if placement.stacked or index in point_of_use else handle._gathered()
             return leaf.astype(dtype)
 

@@ -35,9 +35,10 @@ from zeroflax.compat import on_host
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim.apply import apply_optimizer
 from zeroflax.optim.clipping import clip_to, global_norm
-from zeroflax.sharding.collectives import all_gather_exact
+from zeroflax.sharding.collectives import all_gather_exact, cut_padding
 from zeroflax.sharding.manual import on_slices
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
+from zeroflax.sharding.padding import constrain_true, fit, stored_abstract, stored_shape
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_none, is_placement
 from zeroflax.step.parts import Updated
 from zeroflax.step.phases import STEADY
@@ -147,13 +148,14 @@ class OffloadedUpdate:
     def abstract_fields(self, abstract_params) -> dict:
         delayed = self.config.offload_optimizer.delayed_update
         return {"compute_params": jax.eval_shape(self.compute_copy, abstract_params),
-                "pending_grads": abstract_params if delayed else None}
+                "pending_grads": abstract_params if delayed else None}  # true shapes (abstract_state stores them)
 
     def init_fields(self, params) -> dict:
         """The delayed update's pending gradients start as zeros (the compute copy: `refreshed`)."""
         if not self.config.offload_optimizer.delayed_update:
             return {}
-        zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params)
+        stored = stored_abstract(params, self.plan.host_grads)
+        zeros = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), stored)
         return {"pending_grads": jax.jit(zeros, out_shardings=self.plan.host_grads)()}
 
     @functools.cached_property
@@ -185,8 +187,9 @@ class OffloadedUpdate:
         return jax.tree.map(cast, self.plan.compute, params, is_leaf=is_none)
 
     def compute_copy_of(self, params):
-        """The compute copy of host master weights, made on the device (after a restore)."""
-        return self.compute_copy(jax.device_put(params, on_device(self.plan.params)))
+        """The compute copy of host master weights (stored), made on the device (after a restore)."""
+        copy = self.compute_copy(jax.device_put(params, on_device(self.plan.params)))
+        return fit(copy, self.plan.abstract_params, self.plan.compute)
 
     def loss_params(self, state):
         """What the loss differentiates: the compute copy upcast to the master dtype and, for leaves
@@ -210,7 +213,15 @@ class OffloadedUpdate:
 
         prediction = offload.delayed_update_prediction if offload.predicts and delayed else "none"
 
-        def update(params, opt_state, grads, apply, params_layout=plan.params):
+        true_params, true_opt = plan.abstract_params, plan.abstract_opt_state
+
+        def update(params, opt_state, grads, apply, params_layout=plan.params, opt_layout=plan.opt_state):
+            # On the true shapes, stored again after (sharding.padding); the gradients are laid out as
+            # the master weights here (both partitioned over `data` at every stage).
+            params = constrain_true(params, true_params, params_layout)
+            opt_state = constrain_true(opt_state, true_opt, opt_layout)
+            grads = constrain_true(grads, true_params, params_layout)
+            stored = lambda tree: fit(tree, true_params, params_layout)
             before = params
             params, opt_state, grad_norm, finite = apply_optimizer(
                 self.optimizer, params, opt_state, grads, grad_clip=self.config.grad_clip,
@@ -218,15 +229,16 @@ class OffloadedUpdate:
             # Pinned to the master's layout: the compute copy's all-gather (stages 1-2) happens later, on
             # the device; unpinned, XLA gathers the delayed update's select on the host instead.
             params = jax.lax.with_sharding_constraint(params, params_layout)
+            compute = self.compute_copy(stored(params))
             if prediction == "extrapolate":  # the next update guessed to be this one again
                 guess = jax.tree.map(lambda new, old: new + (new - old), params, before)
-                return params, opt_state, self.compute_copy(guess), grad_norm, finite
-            if prediction == "linear":  # the next update, affine in the next gradient (slope in bf16)
+                compute = self.compute_copy(stored(guess))
+            elif prediction == "linear":  # the next update, affine in the next gradient (slope in bf16)
                 center, slope = linearized_update(self.optimizer, params, opt_state, grads, grad_norm,
                                                   self.config.grad_clip)
                 guess = jax.tree.map(lambda p, u: p + u, params, center)
-                return params, opt_state, (self.compute_copy(guess), self.slope_copy(slope)), grad_norm, finite
-            return params, opt_state, self.compute_copy(params), grad_norm, finite
+                compute = (self.compute_copy(stored(guess)), self.slope_copy(stored(slope)))
+            return stored(params), fit(opt_state, true_opt, opt_layout), compute, grad_norm, finite
 
         if offload.update == "host":
             if apply is not None:
@@ -246,7 +258,7 @@ class OffloadedUpdate:
             to_device = lambda tree, shardings: jax.device_put(tree, on_device(shardings))
             params, opt_state, compute, grad_norm, finite = update(
                 to_device(state.params, plan.params), to_device(state.opt_state, plan.opt_state), grads, apply,
-                on_device(plan.params))
+                on_device(plan.params), on_device(plan.opt_state))
             finite = jnp.asarray(finite)
             params, opt_state = jax.device_put((params, opt_state), (plan.params, plan.opt_state))
         # The compute copy comes to the device as the master is laid out (a shard per device), and
@@ -291,7 +303,9 @@ class OffloadedUpdate:
         def gather(placement: LeafPlacement, shard):
             if placement.zero_dim is None:
                 return shard
-            return on_slices(lambda s: all_gather_exact(s, placement.zero_dim, DATA_AXIS), shard, placement.auto_spec())
+            whole = lambda s: cut_padding(all_gather_exact(s, placement.zero_dim, DATA_AXIS), placement.zero_dim,
+                                          placement.pad)
+            return on_slices(whole, shard, placement.auto_spec())
 
         local = lambda tree: jax.tree.map(gather, placements, tree, is_leaf=is_placement)
         specs = lambda spec: jax.tree.map(spec, placements, is_leaf=is_placement)

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zeroflax.kernels.onebit_pack import pack_signs, unpack_signs
 from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.optim.onebit import OneBitAdam, OneBitSettings
+from zeroflax.sharding.collectives import add_padding, cut_padding
 from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.policy import ZERO_PARTITIONED, is_placement
 from zeroflax.step.parts import Synced
@@ -31,11 +32,18 @@ WARMUP, FIRST, COMPRESSED = "warmup", "first", "compressed"
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A leaf of `shape` as `rows` x `cols` (row i: the chunk device i serves). `zero_dim` None: DeepSpeed's
-    layout (flattened, zero-padded to a multiple of N lcm(N, 8)); else the N ZeRO shards along it."""
+    layout (flattened, zero-padded to a multiple of N lcm(N, 8)); else the N ZeRO shards along it, of the
+    leaf as stored (`pad` zeros appended along `zero_dim`: sharding.padding)."""
 
     shape: tuple[int, ...]
     rows: int
     zero_dim: int | None
+    pad: int = 0
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        d = self.zero_dim
+        return self.shape if not self.pad else self.shape[:d] + (self.shape[d] + self.pad,) + self.shape[d + 1:]
 
     @property
     def size(self) -> int:
@@ -47,31 +55,32 @@ class Layout:
         if self.zero_dim is None:
             multiple = n * (n * 8 // math.gcd(n, 8))
             return -(-self.size // multiple) * multiple // n
-        return -(-self.size // n // 8) * 8
+        return -(-math.prod(self.stored_shape) // n // 8) * 8
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
-        d = self.zero_dim
-        return self.shape[:d] + (self.shape[d] // self.rows,) + self.shape[d + 1:]
+        d, stored = self.zero_dim, self.stored_shape
+        return stored[:d] + (stored[d] // self.rows,) + stored[d + 1:]
 
     def to_rows(self, x):
-        """The whole leaf -> (rows, cols), zero-padded."""
+        """The whole leaf (true shape) -> (rows, cols), zero-padded."""
         n, c = self.rows, self.cols
         if self.zero_dim is None:
             return jnp.pad(x.reshape(-1), (0, n * c - self.size)).reshape(n, c)
-        d = self.zero_dim
-        split = x.reshape(self.shape[:d] + (n, self.shape[d] // n) + self.shape[d + 1:])
+        d, stored = self.zero_dim, self.stored_shape
+        x = add_padding(x, d, self.pad)
+        split = x.reshape(stored[:d] + (n, stored[d] // n) + stored[d + 1:])
         flat = jnp.moveaxis(split, d, 0).reshape(n, -1)
         return jnp.pad(flat, ((0, 0), (0, c - flat.shape[1])))
 
     def from_rows(self, rows):
-        """(rows, cols) -> the whole leaf (padding dropped)."""
+        """(rows, cols) -> the whole leaf (true shape: padding dropped)."""
         if self.zero_dim is None:
             return rows.reshape(-1)[: self.size].reshape(self.shape)
         d, shard = self.zero_dim, self.shard_shape
         pieces = rows[:, : math.prod(shard)].reshape((self.rows,) + shard)
-        moved = jnp.moveaxis(pieces, 0, d)  # (..., n, shape[d] / n, ...)
-        return moved.reshape(self.shape)
+        moved = jnp.moveaxis(pieces, 0, d)  # (..., n, stored[d] / n, ...)
+        return cut_padding(moved.reshape(self.stored_shape), d, self.pad)
 
     def shard_of_row(self, row):
         """A server's row -> its ZeRO shard (partitioned layout only)."""
@@ -240,7 +249,7 @@ class OneBitSync:
         exchange = sum((n - 1) * (l.cols / 4 + 8) for l in layouts)
         if self.grad_clip > 0 and not self.settings.local_clip:
             exchange += 2 * 4 * SKETCH_BUCKETS * share
-        partitioned = sum(l.size for l in layouts if l.zero_dim is not None)
+        partitioned = sum(math.prod(l.stored_shape) for l in layouts if l.zero_dim is not None)
         gather = grad_bytes * partitioned * share if stage in (1, 2) else 0.0
         first = 4 * partitioned * share if phase == FIRST else 0.0
         return exchange + gather + first
@@ -305,6 +314,8 @@ class OneBitSync:
         def leaf(l: Layout, g, m_prev, state: LeafSync):
             if m_prev is None:  # the last exchange's result, from its bits
                 m_prev = l.from_rows(unpack_signs(state.bits, state.scales, average=False, impl=self.impl))
+            elif l.zero_dim is not None:  # the warm-up's momentum, gathered whole as stored
+                m_prev = cut_padding(m_prev, l.zero_dim, l.pad)
             m = s.b1 * m_prev + (1 - s.b1) * g
             if n == 1:  # DeepSpeed does not compress with one worker
                 return m, state
@@ -331,6 +342,7 @@ def make_sync(optimizer: OneBitAdam, placements, data_size: int, zero_sync, grad
     """The 1-bit sync for parameters placed by `placements` (LeafPlacement tree) over `data_size` devices;
     a leaf whose optimizer state ZeRO partitions (stages 1-2) is served shard by shard."""
     partitioned = ZERO_PARTITIONED[zero_sync.stage]["opt_state"]
-    layouts = jax.tree.map(lambda p: Layout(tuple(p.shape), data_size, p.zero_dim if partitioned else None),
+    layouts = jax.tree.map(lambda p: Layout(tuple(p.shape), data_size, p.zero_dim if partitioned else None,
+                                            p.pad if partitioned else 0),
                            placements, is_leaf=is_placement)
     return OneBitSync(optimizer.settings, layouts, zero_sync, grad_clip, impl=impl)

@@ -9,7 +9,8 @@ to the accumulated gradients. The ZeRO stages differ only in when a partitioned 
     stage 2   per micro-batch (the accumulator is a shard)
     stage 3   in the backward pass itself (the transpose of the ZeRO-3 gather is a reduce-scatter)
 
-Leaves that stay replicated over `data` (small or indivisible) are all-reduced at the end. Every
+A leaf stored padded (`sharding.padding`) is padded with zeros before its reduce-scatter. Leaves that
+stay replicated over `data` (below the persistence threshold) are all-reduced at the end. Every
 reduction runs on the leaf's tensor slices (`sharding.manual.on_slices`), never on the whole leaf.
 A compressed scheme (1-bit Adam, `step/onebit_sync.py`) is another object with the same protocol.
 """
@@ -21,6 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from zeroflax.sharding.collectives import padded_scatter
 from zeroflax.sharding.manual import on_slices, psum_on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.policy import LeafPlacement, is_placement
@@ -65,7 +67,7 @@ class ZeroGradSync:
         return jax.tree.map(lambda p, g: fn(p, g), self.placements, grads, is_leaf=is_placement)
 
     def _scatter(self, placement: LeafPlacement, grad):
-        scatter = lambda g: jax.lax.psum_scatter(g, self.axis, scatter_dimension=placement.zero_dim, tiled=True)
+        scatter = lambda g: padded_scatter(g, placement.zero_dim, self.axis, placement.pad)
         return on_slices(scatter, grad, placement.auto_spec())
 
     def per_microbatch(self, grads, phase: str = STEADY):
