@@ -23,6 +23,7 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from zeroflax.sharding.policy import is_none
@@ -88,6 +89,25 @@ def _abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def true_shapes(state) -> dict:
+    """The 'shapes' item: path -> true shape of every array of the parameters and the 'train' item.
+
+    The arrays themselves are stored as the engine holds them: a leaf that the data size does not divide
+    is padded with zeros (sharding.padding). Restoring cuts or pads each to the restoring engine's stored
+    shape (orbax's non-strict restore), after checking that the true shapes are the engine's."""
+    paths = jax.tree_util.tree_flatten_with_path({"params": state.params, "train": _train_item(state)})[0]
+    return {jax.tree_util.keystr(path): list(np.shape(x)) for path, x in paths}
+
+
+def _check_shapes(saved: dict, expected: dict, step: int, directory: str) -> None:
+    """CheckpointError naming the first leaves whose true shape differs between the checkpoint and the engine."""
+    wrong = [f"{path} is {saved[path]} in the checkpoint, {shape} here" for path, shape in expected.items()
+             if path in saved and list(saved[path]) != list(shape)]
+    if wrong:
+        raise CheckpointError(f"the checkpoint of step {step} in {directory} was written for another model: "
+                              + "; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
+
+
 class Checkpointer:
     def __init__(self, directory: str, *, every: int = 100, keep: int = 3, asynchronous: bool = True):
         self.directory = os.path.abspath(directory)
@@ -112,9 +132,12 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False, view=None) -> bool:
+    def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False, view=None,
+             shapes: dict | None = None) -> bool:
         """Start saving (asynchronously); returns whether a checkpoint is being written at this step.
-        `view` (e.g. `Engine.model_order`) turns the state into what is stored, only when a save happens."""
+        `view` (e.g. `Engine.model_order`) turns the state into what is stored, only when a save happens;
+        `shapes` (`true_shapes` of the engine's true abstract state) is written with it when the arrays are
+        stored padded."""
         if not force and not self.manager.should_save(step):
             return False
         self.wait()  # the previous save's failure is reported as that step's
@@ -122,6 +145,8 @@ class Checkpointer:
             state = view(state)
         items = dict(params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(_train_item(state)),
                      data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+        if shapes is not None:
+            items.update(shapes=ocp.args.JsonSave(shapes))
         if state.compute_params is not None:  # offload's predicted compute copy (Engine.model_order keeps only that)
             items.update(compute=ocp.args.StandardSave(state.compute_params))
         if state.sync_state is not None:
@@ -132,21 +157,28 @@ class Checkpointer:
             self.in_flight = step
         return started
 
-    def restore(self, step: int | None, state, shardings, *, compute_copy: bool = False):
+    def restore(self, step: int | None, state, shardings, *, compute_copy: bool = False, true_state=None):
         """(state, data_state, meta) at `step` (default: the newest complete one), placed with `shardings`
-        (a TrainState of shardings); `state` supplies the structure, shapes and dtypes. The offload compute
+        (a TrainState of shardings); `state` supplies the structure, stored shapes and dtypes, `true_state`
+        (the engine's `abstract_state(stored=False)`) the true shapes, which must be the checkpoint's (each
+        array is cut or zero-padded from the checkpoint's padding to this engine's). The offload compute
         copy is None (`Engine.storage_order` remakes it from the master weights) unless `compute_copy`
         asks for the stored one (the delayed update's prediction) and the checkpoint has it."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         self.notes = []
+        if true_state is not None:
+            _check_shapes(self.saved_shapes(step), true_shapes(true_state), step, self.directory)
         sync = None
         if state.sync_state is not None:
             sync = self._restore_sync(step, state.sync_state, shardings.sync_state)
+        # Not strict: a leaf written with another padding is cut or zero-padded to this engine's (the true
+        # shapes were checked above when the caller gave them).
         args = ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract_with_shardings(state.params, shardings.params)),
-            train=ocp.args.StandardRestore(_abstract_with_shardings(_train_item(state), _train_item(shardings))),
+            params=ocp.args.StandardRestore(_abstract_with_shardings(state.params, shardings.params), strict=False),
+            train=ocp.args.StandardRestore(_abstract_with_shardings(_train_item(state), _train_item(shardings)),
+                                           strict=False),
             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
         try:
             restored = self.manager.restore(step, args=args)
@@ -160,6 +192,11 @@ class Checkpointer:
                                   pending_grads=t.get("pending_grads"), compute_params=compute,
                                   sync_state=state.sync_state if sync is None else sync)
         return new_state, restored["data"], restored["meta"]
+
+    def saved_shapes(self, step: int) -> dict:
+        """Path -> true shape of the checkpoint's arrays: its 'shapes' item, or (written unpadded, before
+        the item existed) the arrays' own shapes."""
+        return _saved_shapes(self.manager, step)
 
     def _restore_compute_copy(self, step: int, compute_params, shardings):
         """The stored compute copy, or None (and a note) where the checkpoint has none of this shape."""
@@ -197,8 +234,9 @@ class Checkpointer:
         self.manager.close()
 
 
-def _restore_items(directory: str, step: int | None, what: str, **items):
-    """(step, restored items) from a read-only view of `directory`; `what` names them in errors."""
+def _restore_items(directory: str, step: int | None, what: str, check=None, **items):
+    """(step, restored items) from a read-only view of `directory`; `what` names them in errors; `check`
+    (manager, step) runs first."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     manager = ocp.CheckpointManager(os.path.abspath(directory),
@@ -207,6 +245,8 @@ def _restore_items(directory: str, step: int | None, what: str, **items):
         step = manager.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {directory}")
+        if check is not None:
+            check(manager, step)
         try:
             return step, manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as error:  # orbax raises many types for a damaged directory
@@ -216,6 +256,17 @@ def _restore_items(directory: str, step: int | None, what: str, **items):
         manager.close()
 
 
+def _saved_shapes(manager, step: int) -> dict:
+    try:
+        return manager.restore(step, args=ocp.args.Composite(shapes=ocp.args.JsonRestore()))["shapes"]
+    except Exception:  # no 'shapes' item: nothing was padded, the arrays have their true shapes
+        pass
+    metadata = manager.item_metadata(step)
+    tree = {"params": metadata["params"], "train": metadata["train"]}
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): list(getattr(x, "shape", ())) for path, x in paths}
+
+
 def read_meta(directory: str, step: int | None = None) -> tuple[int, dict]:
     """(step, meta) of the newest complete checkpoint (or `step`) in `directory`."""
     step, restored = _restore_items(directory, step, "metadata", meta=ocp.args.JsonRestore())
@@ -223,7 +274,12 @@ def read_meta(directory: str, step: int | None = None) -> tuple[int, dict]:
 
 
 def restore_params(directory: str, abstract_params: Any, sharding, step: int | None = None):
-    """Only the parameters, every leaf placed with `sharding` (e.g. one CPU device)."""
+    """Only the parameters, in their true shapes (checked against the checkpoint's), every leaf placed with
+    `sharding` (e.g. one CPU device)."""
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_params)
-    _, restored = _restore_items(directory, step, "parameters", params=ocp.args.StandardRestore(target))
+    expected = {"['params']" + jax.tree_util.keystr(path): list(x.shape)
+                for path, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+    check = lambda manager, step: _check_shapes(_saved_shapes(manager, step), expected, step, directory)
+    _, restored = _restore_items(directory, step, "parameters", check=check,
+                                 params=ocp.args.StandardRestore(target, strict=False))
     return restored["params"]

@@ -37,6 +37,7 @@ import numpy as np
 from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.hlo import (ARRAY_TYPE, DTYPE_BYTES, OP_NAME, array_bytes, computation_multipliers, first_replica_group,
                           scope_weight, source_target_pairs, split_computations)
+from zeroflax.sharding.padding import stored_shape
 from zeroflax.sharding.policy import is_placement
 from zeroflax.step.phases import STEADY
 
@@ -256,7 +257,7 @@ def host_transfers(jaxpr, times: int = 1, local: bool = False) -> tuple[float, f
                     continue
                 shape = tuple(target.aval.shape)
                 if not local and hasattr(dest, "shard_shape"):
-                    shape = dest.shard_shape(shape)
+                    shape = dest.shard_shape(stored_shape(shape, dest))
                 moved = times * math.prod(shape) * np.dtype(target.aval.dtype).itemsize
                 to_host, to_device = (to_host + moved, to_device) if dst_host else (to_host, to_device + moved)
             continue
@@ -274,7 +275,7 @@ def host_transfers(jaxpr, times: int = 1, local: bool = False) -> tuple[float, f
 
 def _local_elements(abstract, shardings, keep) -> int:
     """Elements one device holds of the leaves `keep(placement)` selects."""
-    return sum(math.prod(sh.shard_shape(tuple(x.shape))) for x, sh, p in zip(*abstract) if keep(p))
+    return sum(math.prod(sh.shard_shape(stored_shape(x.shape, sh))) for x, sh, p in zip(*abstract) if keep(p))
 
 
 def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:

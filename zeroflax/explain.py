@@ -43,6 +43,7 @@ import numpy as np
 
 from zeroflax.buffer_assignment import Value, charge_regions, compile_with_buffers, peak_live
 from zeroflax.hlo import entry_arguments
+from zeroflax.sharding.padding import stored_shape
 from zeroflax.sharding.policy import is_placement, shard_bytes
 from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE, GROUP_NAME, LAYERS_SCOPE, SCOPE_END, UPDATE_SCOPE
 
@@ -122,7 +123,8 @@ def _owners(engine) -> Owners:
 
 def _device_shape(engine, placement, with_data: bool) -> tuple:
     """One device's shape of a parameter leaf, sharded over `data` (ZeRO) or not."""
-    return tuple(jax.sharding.NamedSharding(engine.mesh, placement.spec(with_data)).shard_shape(tuple(placement.shape)))
+    sharding = jax.sharding.NamedSharding(engine.mesh, placement.spec(with_data))
+    return tuple(sharding.shard_shape(stored_shape(placement.shape, sharding)))
 
 
 _LAYERS = re.compile(re.escape(LAYERS_SCOPE) + r"(\d+)" + re.escape(SCOPE_END))

@@ -225,11 +225,17 @@ def initialize_from_safetensors(engine, state, path: str, *, stacked=None):
     shardings (in its storage order, with the offload compute copy remade); the rest of the state is kept.
     A bf16/fp16 export is accepted and widened to the master dtype (exact)."""
     import jax
+    from zeroflax.sharding.padding import stored_shape
     model_params = engine.model_params(state)
     params = load_safetensors(path, model_params, stacked=stacked, cast=True)
-    # make_array_from_callback: each process places only the shards its devices hold (multi-process safe).
-    placed = jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
-                          params, engine.state_shardings.params)
+    # make_array_from_callback: each process places only the shards its devices hold (multi-process safe),
+    # of the leaf as the engine stores it (zero-padded where partitioned unevenly: sharding.padding).
+    def place(a, sharding):
+        stored = stored_shape(a.shape, sharding)
+        if stored != tuple(a.shape):
+            a = np.pad(a, [(0, n - m) for m, n in zip(a.shape, stored)])
+        return jax.make_array_from_callback(stored, sharding, lambda index: a[index])
+    placed = jax.tree.map(place, params, engine.state_shardings.params)
     return engine.storage_order(engine.model_order(state).replace(params=placed, compute_params=None))
 
 

@@ -21,7 +21,7 @@ import optax
 
 from zeroflax import workdir
 from zeroflax import checkpoint
-from zeroflax.checkpoint import Checkpointer, CheckpointError, SaveError
+from zeroflax.checkpoint import Checkpointer, CheckpointError, SaveError, true_shapes
 from zeroflax.config import Config, ConfigError, configurable
 from zeroflax.data import DataError, TokenLoader, load_tokens, train_val_split, validation_batches
 from zeroflax.engine import initialize
@@ -288,9 +288,12 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
     meta = {"model": model_config.to_dict(), "train": dataclasses.asdict(tc),
             "config": json.loads(json.dumps(config.to_dict(), default=str))}
     latest = checkpoints.latest_step()
+    # The true shapes of what is saved (a leaf stored padded is written with its padding: sharding.padding).
+    shapes = true_shapes(engine.abstract_state(stored=False))
     if resume and latest is not None:
         state, data_state, old_meta = checkpoints.restore(
-            latest, state, engine.state_shardings, compute_copy=config.offload_optimizer.predicts)
+            latest, state, engine.state_shardings, compute_copy=config.offload_optimizer.predicts,
+            true_state=engine.abstract_state(stored=False))
         if int(state.step) != latest:
             raise CheckpointError(f"checkpoint {checkpoints.directory}/{latest} holds step {int(state.step)}: its "
                                   "directory was renamed or its contents replaced; resume from an intact checkpoint")
@@ -314,7 +317,7 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
         say(f"parameters from {tc.init_from} (optimizer state fresh)")
     start = int(state.step)
 
-    num_params = sum(x.size for x in jax.tree.leaves(state.params))
+    num_params = sum(x.size for x in jax.tree.leaves(engine.abstract_params))
     say(f"zeroflax: GPT with {num_params:,} parameters, ZeRO stage {config.zero_stage}, {config.precision}, "
         f"mesh {dict(engine.mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es); "
         f"{engine.train_batch_size} x {tc.seq_len} tokens per step; {train_tokens.size:,} training bytes ({tc.data})")
@@ -391,7 +394,8 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
             bpb = validation_bits_per_byte(engine, state, val_tokens, tc)
             metrics_log.write(done, val_bits_per_byte=bpb)
             bar.write(f"step {done}: validation {bpb:.3f} bits per byte")
-        checkpoints.save(done, state, loader.state(), meta, force=done == end, view=engine.model_order)
+        checkpoints.save(done, state, loader.state(), meta, force=done == end, view=engine.model_order,
+                         shapes=shapes)
         bar.update(1)
     bar.close()
     checkpoints.close()
