@@ -21,6 +21,6 @@ index, count = engine.batch_share()
 rows = N // count
 for t in range(STEPS):
     state, _ = engine.step(state, {k: v[index * rows:(index + 1) * rows] for k, v in grads[t].items()})
-params = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in state.params.items()}
+params = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in engine.model_params(state).items()}
 if jax.process_index() == 0:
     np.savez(sys.argv[1], processes=jax.process_count(), **params)

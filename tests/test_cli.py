@@ -59,7 +59,7 @@ def test_checkpoint_restores_at_another_stage_and_device_count(tmp_path):
     engine, state = zeroflax.initialize(next_token_loss(model), init, optimizer, config3, sample_batch=batch)
     state, _ = engine.step(state, batch)
     assert any("data" in s.spec for s in jax.tree.leaves(engine.plan.params))
-    saved = jax.device_get(state.params)
+    saved = jax.device_get(engine.model_params(state))
     checkpoints = Checkpointer(str(tmp_path / "ckpt"), every=1)
     checkpoints.save(1, state, {"epoch": 0}, {"model": model.config.to_dict()})
     checkpoints.close()

@@ -76,7 +76,7 @@ def engine_run(loss_fn, params, optimizer, batches, config, **kwargs):
     for batch in batches:
         state, metrics = engine.step(state, batch)
         assert np.isfinite(float(metrics["loss"]))
-    return jax.device_get(state.params), engine
+    return jax.device_get(engine.model_params(state)), engine
 
 
 def make_case(name, seed):

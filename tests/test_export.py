@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     out = str(workdir / "fp32.safetensors")
     summary = export_safetensors(str(workdir), out)
     return dict(workdir=workdir, model=model, batch=batch, init=init, engine=engine, state=state,
-                params=jax.device_get(state.params), file=out, summary=summary)
+                params=jax.device_get(engine.model_params(state)), file=out, summary=summary)
 
 
 def test_export_equals_the_consolidated_parameters_bitwise(run):

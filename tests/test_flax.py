@@ -45,7 +45,7 @@ def test_nnx_model_trains():
     # The trained parameters load back into the NNX module.
     model = NNXMLP(nnx.Rngs(0))
     graphdef, model_params, rest = nnx.split(model, nnx.Param, ...)
-    nnx.replace_by_pure_dict(model_params, jax.device_get(state.params))
+    nnx.replace_by_pure_dict(model_params, jax.device_get(engine.model_params(state)))
     model = nnx.merge(graphdef, model_params, rest)
     batch = make()
-    np.testing.assert_allclose(model(batch["x"]), apply(jax.device_get(state.params), batch["x"]), rtol=1e-6)
+    np.testing.assert_allclose(model(batch["x"]), apply(jax.device_get(engine.model_params(state)), batch["x"]), rtol=1e-6)

@@ -137,7 +137,7 @@ def test_delayed_update_applies_the_previous_gradient(start, predict, clip):
     engine, state = zeroflax.initialize(loss, boxed, optimizer, base_config(1, offload_optimizer=offload, grad_clip=clip))
     for batch in batches:
         state, _ = engine.step(state, batch)
-    params, compute = jax.device_get((state.params, state.compute_params))
+    params, compute = jax.device_get((engine.model_params(state), state.compute_params))
     clipped = lambda g: optax.clip_by_global_norm(clip).update(g, None)[0] if clip else g  # noqa: E731
 
     def apply(grads, reference, state):

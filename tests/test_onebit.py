@@ -74,7 +74,7 @@ def test_matches_deepspeed_workers(stage, grad_clip, local_clip):
     assert layouts == ([("flat",), ("zero", 1), ("zero", 0)] if partitioned else [("flat",)] * 3)
     assert phases == ["warmup"] * 4 + (["first"] if partitioned else ["compressed"]) + ["compressed"] * 7
     for k in SHAPES:
-        np.testing.assert_allclose(np.asarray(state.params[k]), expected[k], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(engine.model_params(state)[k]), expected[k], atol=1e-5, rtol=0)
     # The error buffers are the simulation's too (worker errors of the replicated leaf 'a').
     np.testing.assert_allclose(np.asarray(state.sync_state.leaves["a"].worker_error),
                                sim_state["worker_errors"][0], atol=1e-5, rtol=0)
@@ -120,7 +120,7 @@ def test_two_processes_match_one(tmp_path):
         state, _ = engine.step(state, grads[t])
     expected, _, _ = simulated(engine, params, grads, 12)
     for k in SHAPES:
-        np.testing.assert_allclose(two[k], np.asarray(state.params[k]), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(two[k], np.asarray(engine.model_params(state)[k]), atol=1e-6, rtol=0)
         np.testing.assert_allclose(two[k], expected[k], atol=1e-5, rtol=0)
 
 

@@ -71,7 +71,7 @@ def test_matches_optax(name, stage):
         state, _ = engine.step(state, batch)
     if stage == 3:
         assert engine.probe_usage.failed is None, engine.probe_usage.failed
-    error = relative_error(jax.device_get(state.params), reference_params(name))
+    error = relative_error(jax.device_get(engine.model_params(state)), reference_params(name))
     print(f"{name} stage {stage}: relative error {error:.2e}")
     assert error <= TOL
 

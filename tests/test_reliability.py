@@ -93,14 +93,14 @@ def test_nonfinite_skip_never_applies_the_step(stage, precision):
         engine, state = _mlp_engine(zero_stage=stage, precision=precision, nonfinite="skip")
         skipped = []
         for batch in batches:
-            before = jax.device_get((state.params, state.opt_state))
+            before = jax.device_get((engine.model_params(state), state.opt_state))
             state, metrics = engine.step(state, batch)
             skipped.append(bool(metrics["skipped"]))
             if batch is bad:
-                after = jax.device_get((state.params, state.opt_state))
+                after = jax.device_get((engine.model_params(state), state.opt_state))
                 jax.tree.map(np.testing.assert_array_equal, after, before)
                 assert not np.isfinite(float(metrics["loss"]))
-        runs[name] = jax.device_get(state.params), skipped
+        runs[name] = jax.device_get(engine.model_params(state)), skipped
     assert runs["with the bad batch"][1] == [False, True, False] and runs["without"][1] == [False, False]
     jax.tree.map(np.testing.assert_array_equal, runs["with the bad batch"][0], runs["without"][0])
 
@@ -114,7 +114,7 @@ def test_nonfinite_error_reports_the_step_and_leaves_the_update_in_place():
     engine, state = _mlp_engine(zero_stage=1)
     state, metrics = engine.step(state, batch)
     assert bool(metrics["nonfinite"]) and not bool(metrics["skipped"])
-    assert not all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
+    assert not all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(engine.model_params(state))))
 
 
 def test_config_nonfinite_is_checked():

@@ -75,7 +75,7 @@ def _run(config, boxed, loss, batches):
     engine, state = zeroflax.initialize(loss, boxed, optax.adam(1e-2), config)
     for batch in batches:
         state, _ = engine.step(state, batch)
-    return jax.device_get(state.params), engine
+    return jax.device_get(engine.model_params(state)), engine
 
 
 def test_stage3_matches_stage0_fp32():
