@@ -15,20 +15,34 @@ category by the memory kind of its shardings: on the host (P + K) Psi / N at eve
 the compute-dtype copy, C Psi (stages 1-2), C Psi / N (stage 3), and with offload_param only the leaves
 below the persistence threshold. XLA's own host figures (memory_analysis' host_* fields) are reported
 beside them; the CPU backend leaves them 0, as its host memory is its device memory.
+
+On any data size (sharding.padding) Psi / N is of the *stored* leaves: a leaf that N divides in no free
+dimension is stored zero-padded to a multiple of N, so the theory counts each partitioned state's stored
+bytes / N and the measured figure matches it exactly when every leaf is partitioned. The report lists the
+padded leaves with their padding per device (`padded_leaves`), and the leaves held whole over `data`
+(`whole_leaves`: below the persistence threshold, every dimension already partitioned by tensor slicing
+or the pipeline, or a data size of 1) with their bytes per device and the reason; `whole_excess` is what
+they (and the optimizer's scalars) hold beyond their 1/N, so that at rest = theory + whole_excess exactly
+without pipe or tensor axes.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
 import jax
 import numpy as np
+import optax
 
-from zeroflax.axes import PIPE_AXIS, TENSOR_AXIS
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.hlo import ARRAY_TYPE, DTYPE_BYTES, array_bytes, split_computations
+from zeroflax.sharding.padding import shards_per_dim, stored_shape
 from zeroflax.sharding.scopes import GROUP_NAME
-from zeroflax.sharding.policy import is_placement, shard_bytes
+from zeroflax.sharding.policy import is_none, is_placement, shard_bytes
+
+LISTED = 10  # leaves listed by name in the printed sections (the largest; the rest counted)
 
 
 @dataclasses.dataclass
@@ -66,6 +80,13 @@ class MemoryReport:
     # 1-bit Adam: its sync state (error buffers, the last exchanged momentum's bits) and that state's theory.
     sync_state: int = 0
     sync_theory: float = 0.0
+    # Any data size: model-state bytes per device at rest that are padding zeros (in the theory too), the
+    # padded leaves (path -> true shape, stored shape, padding bytes per device), the leaves held whole over
+    # `data` (path -> bytes per device, reason) and what they hold beyond 1/N (module docstring).
+    padding: float = 0.0
+    padded_leaves: dict = dataclasses.field(default_factory=dict)
+    whole_leaves: dict = dataclasses.field(default_factory=dict)
+    whole_excess: float = 0.0
 
     @property
     def at_rest(self) -> int:
@@ -129,6 +150,7 @@ class MemoryReport:
         if self.sync_theory:
             lines.append(f"  {'1-bit Adam buffers':<28}{mib(self.sync_state)}   theory {self.sync_theory / 2**20:.2f} MiB "
                          "(worker error 4 N C + server error 4 C + sign bits per leaf)")
+        lines += self._leaf_lines()
         if self.pipe_size > 1:
             lines.append(f"  pipeline bubble: {self.bubble_fraction:.3f} of each stage's ticks idle")
         if self.stage == 3:
@@ -149,19 +171,131 @@ class MemoryReport:
                     lines.append(f"  gathered on entry ({why}): {shown}")
         return "\n".join(lines)
 
+    def _leaf_lines(self) -> list[str]:
+        """The padded leaves and the leaves held whole over `data`, the largest `LISTED` of each."""
+        lines = []
+        if self.padded_leaves:
+            lines.append(f"  padded leaves (N={self.data_size} divides no free dimension): {len(self.padded_leaves)}, "
+                         f"{_size(self.padding)} of padding per device at rest")
+            rows = sorted(self.padded_leaves.items(), key=lambda kv: -kv[1]["bytes"])
+            for path, row in rows[:LISTED]:
+                shapes = f"{tuple(row['shape'])} -> {tuple(row['stored'])}"
+                lines.append(f"    {path:<40} {shapes:<28} {_size(row['bytes']):>10}")
+            if len(rows) > LISTED:
+                rest = sum(row["bytes"] for _, row in rows[LISTED:])
+                lines.append(f"    and {len(rows) - LISTED} more, {_size(rest)}")
+        if self.whole_leaves:
+            total = sum(row["bytes"] for row in self.whole_leaves.values())
+            count = len(self.whole_leaves)
+            lines.append(f"  held whole over data: {count} leaf{'' if count == 1 else 's'}, {_size(total)} per device "
+                         f"({_size(self.whole_excess)} beyond 1/N)")
+            rows = sorted(self.whole_leaves.items(), key=lambda kv: -kv[1]["bytes"])
+            for path, row in rows[:LISTED]:
+                lines.append(f"    {path:<40} {_size(row['bytes']):>10}   {row['reason']}")
+            if len(rows) > LISTED:
+                rest = sum(row["bytes"] for _, row in rows[LISTED:])
+                lines.append(f"    and {len(rows) - LISTED} more, {_size(rest)}")
+        return lines
+
+
+def _size(b: float) -> str:
+    """Bytes for the leaf sections: B, KiB, MiB or GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
 
 def _bytes(x) -> int:
     return int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
 
 
 def theory_at_rest(stage: int, num_params: int, data_size: int, param_bytes: float, opt_bytes: float,
-                   model_parallel: int = 1) -> float:
+                   model_parallel: int = 1, padding: tuple[float, float] = (0.0, 0.0)) -> float:
     """Bytes of parameters and optimizer state per device: Psi / (pipe x tensor) of them, and ZeRO's
-    1/N on top. Leaves that every stage or tensor slice holds whole (embeddings, norms) make the
-    measured share larger; the ratio shows by how much."""
-    params = param_bytes * num_params / (data_size if stage == 3 else 1)
-    opt = opt_bytes * num_params / (data_size if stage >= 1 else 1)
+    1/N on top. `padding`: the (parameter, optimizer state) bytes of zeros their stored leaves add where
+    ZeRO partitions them (`sharding.padding`), divided with the rest. Leaves that every stage or tensor
+    slice holds whole (embeddings, norms), or that stay whole over `data`, make the measured share larger;
+    the ratio shows by how much."""
+    params = (param_bytes * num_params + (padding[0] if stage == 3 else 0)) / (data_size if stage == 3 else 1)
+    opt = (opt_bytes * num_params + (padding[1] if stage >= 1 else 0)) / (data_size if stage >= 1 else 1)
     return (params + opt) / model_parallel
+
+
+def _has_data(sharding) -> bool:
+    """Whether a sharding partitions anything over the `data` axis."""
+    spec = getattr(sharding, "spec", ())
+    return any(DATA_AXIS in ((a,) if isinstance(a, str) else tuple(a or ())) for a in spec)
+
+
+def _padding_per_device(x, sharding) -> float:
+    """Bytes of zeros one device holds of a leaf (true shape `x`) stored padded under `sharding`."""
+    added = math.prod(stored_shape(x.shape, sharding)) - math.prod(tuple(x.shape))
+    return added * np.dtype(x.dtype).itemsize / math.prod(shards_per_dim(sharding, len(x.shape)))
+
+
+def whole_reason(placement, data_size: int, threshold: int) -> str:
+    """Why ZeRO keeps a parameter leaf whole over `data` (its placement's zero_dim is None)."""
+    if data_size == 1:
+        return "data size 1"
+    if len(placement.shape) == 0:
+        return "a scalar"
+    per_layer = math.prod(placement.shape[1 if placement.stacked else 0:])
+    if per_layer < max(threshold, 1):
+        return f"below persistence_threshold ({per_layer:,} < {threshold:,} elements)"
+    return "every dimension already partitioned (tensor slicing, pipe, or the layer stack)"
+
+
+def leaf_states(engine) -> tuple[list, list]:
+    """The model states at rest by parameter leaf: (per leaf in the params' flat order, a list of (kind, true
+    ShapeDtypeStruct, sharding) of its parameter, optimizer state slots and (offload) compute copy; the
+    states that belong to no leaf (the optimizer's counts), likewise)."""
+    true = engine.abstract_state(stored=False)
+    shardings = engine.state_shardings
+    params = jax.tree.leaves(true.params)
+    per_leaf = [[("params", x, s)] for x, s in zip(params, jax.tree.leaves(shardings.params))]
+    index = jax.tree.unflatten(jax.tree.structure(true.params), list(range(len(params))))
+    owners = jax.tree.leaves(optax.tree_map_params(engine.optimizer, lambda leaf, i: i, true.opt_state, index,
+                                                   transform_non_params=lambda leaf: -1))
+    opt = list(zip(jax.tree.leaves(true.opt_state), jax.tree.leaves(shardings.opt_state)))
+    others = []
+    if len(owners) != len(opt):  # an optimizer whose state tree_map_params cannot follow: none owned
+        owners = [-1] * len(opt)
+    for owner, (x, s) in zip(owners, opt):
+        (per_leaf[owner] if owner >= 0 else others).append(("opt_state", x, s))
+    if true.compute_params is not None:
+        for i, (x, s) in enumerate(zip(jax.tree.leaves(true.compute_params, is_leaf=is_none),
+                                       jax.tree.leaves(shardings.compute_params, is_leaf=is_none))):
+            if x is not None and s is not None:
+                per_leaf[i].append(("compute_params", x, s))
+    return per_leaf, others
+
+
+def leaf_sections(engine) -> dict:
+    """The report's padded and whole leaves, the padding per device and the whole leaves' excess over 1/N
+    (`MemoryReport`'s fields of those names)."""
+    config, plan, n = engine.config, engine.plan, engine.data_size
+    stage, offload = config.zero_stage, plan.offload
+    # The states the theory divides by N (at this stage, or on the host under offload).
+    divided = {"params": stage == 3 or offload, "opt_state": stage >= 1 or offload,
+               "compute_params": stage == 3 and not config.offload_param.enabled}
+    placements = jax.tree.leaves(plan.placements, is_leaf=is_placement)
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+        plan.placements, is_leaf=is_placement)[0]]
+    per_leaf, others = leaf_states(engine)
+    excess = lambda states: sum(shard_bytes(x, s) * (1 - 1 / n) for kind, x, s in states
+                                if divided[kind] and not _has_data(s))
+    padded, whole, padding, whole_excess = {}, {}, 0.0, excess(others)
+    for path, placement, states in zip(paths, placements, per_leaf):
+        pad = sum(_padding_per_device(x, s) for _, x, s in states)
+        padding += pad
+        if pad:
+            padded[path] = dict(shape=list(placement.shape), stored=list(placement.stored_shape), bytes=pad)
+        if placement.zero_dim is None and any(divided[kind] for kind, _, _ in states):
+            whole[path] = dict(bytes=sum(shard_bytes(x, s) for _, x, s in states),
+                               reason=whole_reason(placement, n, config.persistence_threshold))
+            whole_excess += excess(states)
+    return dict(padding=padding, padded_leaves=padded, whole_leaves=whole, whole_excess=whole_excess)
 
 
 def state_bytes_by_memory(state) -> dict:
@@ -206,14 +340,20 @@ def memory_report(engine, state, batch) -> MemoryReport:
                                   plan.placements, is_leaf=is_placement)
     grads = shard_bytes(abstract.params, grad_shardings)
 
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params))
-    full_params = sum(_bytes(x) for x in jax.tree.leaves(abstract.params))
+    # Psi and the bytes per element from the true shapes; the stored leaves' padding apart.
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(plan.abstract_params))
+    full_params = sum(_bytes(x) for x in jax.tree.leaves(plan.abstract_params))
+    placements = jax.tree.leaves(plan.placements, is_leaf=is_placement)
+    pad_params = sum((math.prod(p.stored_shape) - math.prod(p.shape)) * np.dtype(x.dtype).itemsize
+                     for p, x in zip(placements, jax.tree.leaves(plan.abstract_params)))
+    pad_opt = sum((math.prod(stored_shape(x.shape, s)) - math.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                  for x, s in zip(jax.tree.leaves(plan.abstract_opt_state), jax.tree.leaves(plan.opt_state)))
     gathered = {}
     if engine.config.zero_stage == 3:
         peak, by_group, wide = gathered_weights_at_peak(compiled.as_text(), np.dtype(engine.config.compute_dtype).itemsize)
         gathered = dict(gathered_peak=peak, gathered_by_group=by_group, gathered_wide_copies=wide,
                         groups=dict(engine.probe_usage.groups), gathered_on_entry=engine.gathered_on_entry_reasons())
-    full_opt = sum(_bytes(x) for x in jax.tree.leaves(abstract.opt_state))
+    full_opt = sum(_bytes(x) for x in jax.tree.leaves(plan.abstract_opt_state))
     pipe, tensor = engine.mesh.shape.get(PIPE_AXIS, 1), engine.mesh.shape.get(TENSOR_AXIS, 1)
     offload = {}
     if plan.offload:
@@ -225,7 +365,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
         sync = dict(sync_state=shard_bytes(abstract.sync_state, shardings.sync_state),
                     sync_theory=engine.sync.state_bytes())
     theory = theory_at_rest(engine.config.zero_stage, num_params, engine.data_size, full_params / num_params,
-                            full_opt / num_params, pipe * tensor)
+                            full_opt / num_params, pipe * tensor, (pad_params, pad_opt))
     if offload:
         theory = offload["theory_device"] + offload["theory_host"]
     return MemoryReport(
@@ -236,7 +376,8 @@ def memory_report(engine, state, batch) -> MemoryReport:
         theory_at_rest=theory, compute_params=compute_params, pending_grads=pending, host_params=host_params,
         host_opt_state=host_opt, xla_host=xla_host, **offload, **sync,
         pipe_size=pipe, tensor_size=tensor,
-        bubble_fraction=engine.schedule.bubble_fraction() if engine.schedule is not None else 0.0, **gathered)
+        bubble_fraction=engine.schedule.bubble_fraction() if engine.schedule is not None else 0.0, **gathered,
+        **leaf_sections(engine))
 
 
 # ------------------------------------------------------------------ gathered weights in the schedule
