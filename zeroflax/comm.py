@@ -12,7 +12,10 @@ The theory of docs/design.md section 2, with N the data-parallel size, b_g the g
 compute dtype's bytes: stages 0-2 move 2 b_g Psi (N-1)/N, stage 3 (2 b_c + b_g) Psi (N-1)/N; with
 quantized weights (qwZ) b_c = 1 + b_scale/block (int8 elements, one compute-dtype scale per block).
 With M micro-batches per step stage 2 moves (M + 1) b_g Psi (N-1)/N and stage 3 M times its volume
-(`theory_bytes`). The tensor axis is beside Megatron's volume (`megatron_all_reduces`).
+(`theory_bytes`). The tensor axis is beside Megatron's volume (`megatron_all_reduces`). On any data size
+Psi counts the stored leaves (`sharding.padding`): at stages 1-3 a partitioned leaf that N divides in no
+free dimension is reduce-scattered and all-gathered with its padding, so the theory moves it too
+(`CommReport.padded_params`; stage 0 all-reduces the true gradients).
 
 Host <-> device traffic (offload) is counted from the step's program: every transfer between memory
 kinds (a `device_put` to another memory space) with its per-device bytes, times the trip counts of the
@@ -149,6 +152,10 @@ class CommReport:
     host_to_device_theory: float = 0.0
     device_to_host_theory: float = 0.0
     phase: str = STEADY  # which of the engine's step programs (1-bit Adam: 'warmup', 'first', 'compressed')
+    # Padding zeros the ZeRO collectives move with the stored leaves (elements, of Psi on this device's
+    # pipe/tensor part), and the bytes of the theory that are theirs.
+    padded_params: int = 0
+    padding_bytes: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -170,6 +177,9 @@ class CommReport:
         lines.append(f"  {'total':<20}{'':>8}{self.total_bytes / 2**20:>12.2f}")
         covers = f" ({' + '.join(sorted(self.theory_by_axis))} only)" if len(self.by_axis) > 1 else ""
         lines.append(f"  {'theory' + covers:<20}{'':>8}{self.theory_bytes / 2**20:>12.2f}   ratio {self.ratio:.3f}")
+        if self.padded_params:
+            lines.append(f"  {'  of it padding':<20}{'':>8}{self.padding_bytes / 2**20:>12.2f}   "
+                         f"({self.padded_params:,} zeros the padded leaves move with them)")
         if len(self.by_axis) > 1 or self.permute_theory:
             for axis, value in sorted(self.by_axis.items()):
                 theory = self.theory_by_axis.get(axis)
@@ -300,16 +310,21 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     grad = max(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(engine.abstract_params))  # master dtype
     total = sum(c.bytes_per_step for c in collectives)
     by_axis: dict = {}
+    stage = engine.config.zero_stage
     for c in collectives:
         key = "+".join(c.axes) or "none"
         by_axis[key] = by_axis.get(key, 0.0) + c.bytes_per_step
-    stage = engine.config.zero_stage
     offload = engine.plan.offload
     placements = jax.tree.leaves(engine.plan.placements, is_leaf=is_placement)
     without_data = [jax.sharding.NamedSharding(engine.mesh, p.spec(False)) for p in placements]
     leaves = jax.tree.leaves(engine.abstract_params)
-    # This device's parameters once the pipe and tensor axes have split them (ZeRO then splits them N ways).
-    local = _local_elements((leaves, without_data, placements), None, lambda p: True)
+    # This device's parameters once the pipe and tensor axes have split them (ZeRO then splits them N ways),
+    # as the ZeRO collectives move them: at stages 1-3 a partitioned leaf with its padding (its stored shape).
+    local_true = _local_elements((leaves, without_data, placements), None, lambda p: True)
+    with_data = [jax.sharding.NamedSharding(engine.mesh, p.spec(True)) for p in placements]
+    local = local_true if stage == 0 else (
+        engine.data_size * _local_elements((leaves, with_data, placements), None, lambda p: p.zero_dim is not None)
+        + _local_elements((leaves, without_data, placements), None, lambda p: p.zero_dim is None))
     accum = engine.config.grad_accum_steps
     # The gradient sync's own theory over `data` (ZeRO's volume, or 1-bit Adam's compressed exchange).
     data_theory = lambda params: engine.sync.data_axis_bytes(
@@ -363,8 +378,8 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         # With a pipe or tensor axis the whole-step theory is the sum of the axes that have one.
         theory_bytes=(sum(theory_by_axis.values()) if len(engine.mesh.shape) > 1 and
                       (engine.mesh.shape.get(PIPE_AXIS, 1) > 1 or engine.mesh.shape.get(TENSOR_AXIS, 1) > 1)
-                      else data_theory(num_params)),
-        phase=phase,
+                      else data_theory(local)),
+        phase=phase, padded_params=local - local_true, padding_bytes=data_theory(local) - data_theory(local_true),
         unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives],
         by_axis=by_axis, theory_by_axis=theory_by_axis, permute_bytes=permute, permute_theory=permute_theory,
         **transfers)
