@@ -99,32 +99,38 @@ class OffloadedUpdate:
     def at_rest_theory(self, abstract_params) -> tuple[float, float]:
         """(device, host) bytes of model states at rest per device (docs/offload.md): the compute copy
         on the device (stage 3: its shard; with offload_param only the persistent leaves), the master
-        weights and optimizer state on the host, partitioned over `data`."""
+        weights and optimizer state on the host, partitioned over `data`. A partitioned leaf counts with its
+        stored (padded) shape (`sharding.padding`): its 1/N is of the padded leaf."""
         config, plan, mesh = self.config, self.plan, self.plan.mesh
-        nbytes = lambda x: math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        itemsize = lambda x: np.dtype(x.dtype).itemsize
         leaves = jax.tree.leaves(abstract_params)
+        placements = jax.tree.leaves(plan.placements, is_leaf=is_placement)
         num_params = sum(math.prod(x.shape) for x in leaves)
-        master = sum(nbytes(x) for x in leaves) / num_params
-        opt = sum(nbytes(x) for x in jax.tree.leaves(jax.eval_shape(self.optimizer.init, abstract_params)))
+        stored = [math.prod(p.stored_shape) for p in placements]  # elements as partitioned over `data`
+        master = sum(n * itemsize(x) for n, x in zip(stored, leaves))
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+        opt = sum(math.prod(stored_shape(x.shape, s)) * itemsize(x)
+                  for x, s in zip(jax.tree.leaves(abstract_opt), jax.tree.leaves(plan.opt_state)))
         compute = np.dtype(config.compute_dtype).itemsize
         data_size = mesh.shape[DATA_AXIS]
         if config.offload_param.enabled:  # only the persistent (never partitioned) leaves stay
-            placements = jax.tree.leaves(plan.placements, is_leaf=is_placement)
             device = compute * sum(math.prod(p.shape) for p in placements if p.zero_dim is None)
         else:
-            device = compute * num_params / (data_size if config.zero_stage == 3 else 1)
+            device = compute * (sum(stored) / data_size if config.zero_stage == 3 else num_params)
         pipe, tensor = mesh.shape.get(PIPE_AXIS, 1), mesh.shape.get(TENSOR_AXIS, 1)
-        return device / (pipe * tensor), (master * num_params + opt) / data_size / (pipe * tensor)
+        return device / (pipe * tensor), (master + opt) / data_size / (pipe * tensor)
 
     def host_traffic_theory(self, abstract_params, phase: str = STEADY) -> tuple[float, float]:
         """(host->device, device->host) bytes per device per step (docs/offload.md): the gradient shards go
         to the host, the compute copy comes back (with offload_param the streamed shards twice per
         micro-batch); a delayed step under the 'linear' prediction also brings the slope (bf16); the
-        update on the device brings the master weights and optimizer state over and back."""
+        update on the device brings the master weights and optimizer state over and back. Every shard moves
+        with its padding (`sharding.padding`)."""
         plan, config = self.plan, self.config
         leaves = jax.tree.leaves(abstract_params)
         itemsize = lambda x: np.dtype(x.dtype).itemsize
-        shard = lambda x, s: math.prod(s.shard_shape(tuple(x.shape))) * itemsize(x)
+        # One device's shard of a leaf as stored (padded where partitioned unevenly: sharding.padding).
+        shard = lambda x, s: math.prod(s.shard_shape(stored_shape(x.shape, s))) * itemsize(x)
         master = [shard(x, s) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
         if config.offload_optimizer.update == "device":
             abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
