@@ -10,8 +10,8 @@ Two independent columns, each with its source:
   figure is model states with gradients (16-bit parameters, 16- and 32-bit gradients, 32-bit master
   weights and Adam), its CPU figure is per node.
 - **zeroflax**: this engine's placement, leaf by leaf (`zeroflax_states`): the sharding policy's own rule
-  (`sharding.policy.choose_zero_dim`: the persistence threshold, divisibility by the data size) on the
-  mesh (tensor and pipe slicing through the logical rules), fp32 master weights (P bytes), the
+  (`sharding.policy.zero_placement`: the persistence threshold, and padding where the data size divides
+  no free dimension) on the mesh (tensor and pipe slicing through the logical rules), fp32 master weights (P bytes), the
   optimizer's state (K bytes per parameter, Adam 8), the compute-dtype copy under offload, and the
   gradient buffer (docs/design.md sections 2 and 5; memory.theory_at_rest and
   OffloadedUpdate.at_rest_theory give the same figures when every leaf is partitioned). Per device it gives:
@@ -179,10 +179,12 @@ class Setup:
         return self.mesh[DATA_AXIS]
 
 
-def leaf_placements(spec: ModelSpec, setup: Setup):
-    """(leaf, elements per device before ZeRO, partitioned over data?) per leaf, by the policy's rules."""
+def leaf_placements(spec: ModelSpec, setup: Setup, stored: bool = False):
+    """(leaf, elements per device before ZeRO, partitioned over data?) per leaf, by the policy's rules; with
+    `stored`, a fourth value: those elements as ZeRO stores them (padded to a multiple of the data size where
+    it divides no free dimension: `sharding.padding`, which the 1/N of a partitioned leaf is of)."""
     from zeroflax.config import DEFAULT_LOGICAL_RULES
-    from zeroflax.sharding.policy import choose_zero_dim, logical_to_mesh_axes
+    from zeroflax.sharding.policy import logical_to_mesh_axes, zero_placement
 
     mesh = types.SimpleNamespace(shape=dict(setup.mesh), axis_names=tuple(setup.mesh))
     rules = setup.logical_rules or DEFAULT_LOGICAL_RULES
@@ -191,15 +193,17 @@ def leaf_placements(spec: ModelSpec, setup: Setup):
     for leaf in spec.leaves:
         if leaf.names == ("flat",):  # a bare count: sliced by every model-parallel axis, always partitioned
             split = math.prod(size for axis, size in setup.mesh.items() if axis != DATA_AXIS)
-            out.append((leaf, leaf.size / split, setup.data > 1))
+            out.append((leaf, leaf.size / split, setup.data > 1) + ((leaf.size / split,) if stored else ()))
             continue
         names = leaf.names or (None,) * len(leaf.shape)
         base = logical_to_mesh_axes(names, rules, mesh, "/".join(map(str, names)), leaf.shape)
         if leaf.stacked and pipe > 1:
             base = (PIPE_AXIS,) + tuple(base[1:])
         split = math.prod(setup.mesh[a] for a in base if a is not None)
-        zero_dim = choose_zero_dim(leaf.shape, base, setup.data, setup.persistence_threshold, leaf.stacked)
-        out.append((leaf, leaf.size / split, zero_dim is not None))
+        zero_dim, pad = zero_placement(leaf.shape, base, setup.data, setup.persistence_threshold, leaf.stacked)
+        local = leaf.size / split
+        padded = local if zero_dim is None else local * (leaf.shape[zero_dim] + pad) / leaf.shape[zero_dim]
+        out.append((leaf, local, zero_dim is not None) + ((padded,) if stored else ()))
     return out
 
 
@@ -236,8 +240,8 @@ def zeroflax_states(spec: ModelSpec, setup: Setup, stage: int, offload: str = "n
     optimizer_off = offload in ("optimizer", "optimizer+param")
     param_off = offload == "optimizer+param"
     dev_p = dev_o = copy = host_p = host_o = grads = 0.0
-    for leaf, local, partitioned in leaf_placements(spec, setup):
-        shard = local / n if partitioned else local
+    for leaf, local, partitioned, padded in leaf_placements(spec, setup, stored=True):
+        shard = padded / n if partitioned else local
         master = MASTER_BYTES * (shard if (stage == 3 or optimizer_off) else local)
         opt = spec.opt_bytes * (shard if stage >= 1 else local)
         if optimizer_off:
