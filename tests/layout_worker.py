@@ -18,6 +18,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from cli_helpers import TEST_XLA_FLAGS  # noqa: E402  (LLVM -O0: compile time dominates these tiny programs)
+from layout_grid import CONFIGS  # noqa: E402
 
 os.environ["XLA_FLAGS"] = (f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count="
                            f"{os.environ.get('ZEROFLAX_CPU_DEVICES', '8')}")
@@ -122,6 +123,7 @@ def main():
     outdir, wanted = sys.argv[1], sys.argv[2:]
     params0, data = init_params(), batches()
     table = configs(jax.device_count())
+    assert tuple(table) == CONFIGS, f"layout_grid.CONFIGS {CONFIGS} != the worker's {tuple(table)}"
     unknown = set(wanted) - set(table)
     if unknown:
         raise SystemExit(f"unknown configurations {sorted(unknown)}; known: {sorted(table)}")
