@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,19 +69,26 @@ def launch(layout: Layout, outdir: str, timeout_s: float = 180, configs=()) -> f
         command = [python, "-m", "zeroflax", "launch", "--nproc", str(layout.processes), "--devices_per_process",
                    str(layout.devices_per_process), "--", *worker]
     start = time.perf_counter()
+    # A session of its own, so that a timeout ends the launcher's worker processes too, not only the launcher.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                               start_new_session=True)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as error:
-        raise AssertionError(f"layout {layout.name} ran past {timeout_s:g} s; its stderr ends:\n"
-                             f"{_tail(error.stderr)}") from None
+        _, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        raise AssertionError(f"layout {layout.name} ran past {timeout_s:g} s; its stderr ends:\n{_tail(stderr)}") from None
+    finally:
+        if process.poll() is None:  # interrupted (Ctrl-C): take the job down with the test
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     seconds = time.perf_counter() - start
-    assert done.returncode == 0, f"layout {layout.name} exited with {done.returncode}; stderr ends:\n{_tail(done.stderr)}"
+    assert process.returncode == 0, (f"layout {layout.name} exited with {process.returncode}; stderr ends:\n"
+                                     f"{_tail(stderr)}")
     return seconds
 
 
 def _tail(text, chars: int = 4000) -> str:
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
     lines = [line for line in (text or "").splitlines() if "[Gloo]" not in line]  # gloo's connection chatter
     return "\n".join(lines)[-chars:]
 
@@ -91,6 +99,7 @@ class Run:
     final: dict
     init: dict
     losses: np.ndarray
+    phases: list
     processes: int
     devices: int
     partitioned: list
@@ -108,7 +117,7 @@ def load(outdir: str, config: str) -> Run | str:
     with np.load(path) as z:
         return Run(final={k[len("final"):]: z[k] for k in z.files if k.startswith("final")},
                    init={k[len("init"):]: z[k] for k in z.files if k.startswith("init")},
-                   losses=z["losses"], processes=int(z["processes"]), devices=int(z["devices"]),
+                   losses=z["losses"], phases=list(z["phases"]), processes=int(z["processes"]), devices=int(z["devices"]),
                    partitioned=list(z["partitioned"]))
 
 
@@ -177,6 +186,9 @@ def compare(root: str, layouts: list[Layout]) -> list[Cell]:
                 check_trained(run, f"{config}@{layout.name}")
                 assert (run.processes, run.devices) == (layout.processes, layout.devices), (
                     f"{config}@{layout.name} ran on {run.processes} processes, {run.devices} devices")
+                assert run.phases == reference.phases, f"step programs {run.phases} vs {reference.phases}"
+                if config.startswith("onebit"):  # past the freeze step: compressed momentum exchanges ran
+                    assert run.phases.count("compressed") >= 2, f"1-bit Adam's step programs {run.phases}"
                 cell.diff, cell.bitwise = difference(run, reference)
                 cell.partitioned, cell.leaves = len(run.partitioned), len(run.final)
                 assert cell.diff <= TOL, f"max |diff| {cell.diff:.3g} > {TOL:g}"
