@@ -1,4 +1,8 @@
-"""`TrainState`: what one step takes and returns. Each optional part keeps its state in its own fields."""
+"""`TrainState`: what one step takes and returns. Each optional part keeps its state in its own fields.
+
+Its arrays are as the engine stores them: a leaf partitioned over a data size that divides none of its
+dimensions is zero-padded (sharding/padding.py), and the interleaved pipeline keeps its layers in
+pipeline order. `Engine.model_params(state)` gives the parameters as the model declares them."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,7 +16,7 @@ from zeroflax.optim.loss_scale import LossScaleState
 @struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps attempted (skipped ones included)
-    params: Any  # fp32 master parameters, at-rest sharding of the ZeRO stage
+    params: Any  # fp32 master parameters, at-rest sharding of the ZeRO stage (stored: see the module docstring)
     opt_state: Any
     loss_scale: LossScaleState  # the loss scaler's state (step/scaler.py)
     rng: jax.Array  # uint32[2] base key; step and device are folded in
