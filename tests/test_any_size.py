@@ -186,3 +186,33 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"another model: \['params'\]\['b3'\] is \[5\] in the checkpoint, "
                                               r"\[6\] here"):
         _restored(other, str(tmp_path / "ckpt"))
+
+
+def test_export_and_init_from_a_padded_checkpoint(tmp_path):
+    """A GPT trained on 6 devices (every leaf padded: 6 divides no power of two) exports its true shapes bit
+    for bit, and a run on 6 devices starts from the export with the same parameters."""
+    from zeroflax.export import export_safetensors, initialize_from_safetensors
+    from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
+    model = GPT(GPTConfig(num_layers=2, d_model=32, num_heads=2, max_len=16))
+    batch = {"tokens": np.random.default_rng(3).integers(0, 256, (12, 17)).astype(np.int32)}
+    init = lambda rng, b: model.init(rng, b["tokens"][:, :-1])["params"]
+    config = zeroflax.Config(zero_stage=3, micro_batch_size=2, persistence_threshold=0)
+    engine, state = zeroflax.initialize(next_token_loss(model), init, optax.adamw(1e-3), config, sample_batch=batch,
+                                        devices=jax.devices()[:6])
+    state, _ = engine.step(state, batch)
+    assert engine.plan.padded
+    checkpoints = Checkpointer(str(tmp_path / "checkpoints"), every=1, asynchronous=False)
+    checkpoints.save(1, state, {}, {"model": model.config.to_dict()}, view=engine.model_order,
+                     shapes=true_shapes(engine.abstract_state(stored=False)))
+    checkpoints.close()
+    out = str(tmp_path / "fp32.safetensors")
+    export_safetensors(str(tmp_path), out)
+    params = jax.device_get(engine.model_params(state))
+    fresh_engine, fresh = zeroflax.initialize(next_token_loss(model), init, optax.adamw(1e-3), config,
+                                              sample_batch=batch, devices=jax.devices()[:6], rng=jax.random.PRNGKey(7))
+    started = initialize_from_safetensors(fresh_engine, fresh, out)
+    for a, b in zip(jax.tree.leaves(jax.device_get(fresh_engine.model_params(started))), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    stored, true = jax.tree.leaves(jax.device_get(started.params)), jax.tree.leaves(fresh_engine.abstract_params)
+    assert any(x.shape != t.shape for x, t in zip(stored, true))  # placed padded, with zeros
+    fresh_engine.step(started, batch)
