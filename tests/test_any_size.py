@@ -216,3 +216,19 @@ def test_export_and_init_from_a_padded_checkpoint(tmp_path):
     stored, true = jax.tree.leaves(jax.device_get(started.params)), jax.tree.leaves(fresh_engine.abstract_params)
     assert any(x.shape != t.shape for x, t in zip(stored, true))  # placed padded, with zeros
     fresh_engine.step(started, batch)
+
+
+def test_train_on_six_devices_resumes_on_eight(tmp_path):
+    """`zeroflax train` writes its checkpoints padded on 6 devices; `--resume` on 8 restores them (the true
+    shapes checked, the padding cut) and trains on with the same global batch."""
+    from cli_helpers import losses, tiny_bindings, zeroflax as run_cli
+    workdir = tmp_path / "run"
+    first = run_cli("train", "--gin_file", "experiments/gpt_tiny_zero3.gin", "--cpu_devices", "6", "--stop_at", "2",
+                    "--no_progress", *tiny_bindings(workdir, steps=4, **{"Config.micro_batch_size": 4}))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_cli("train", "--gin_file", "experiments/gpt_tiny_zero3.gin", "--cpu_devices", "8", "--resume",
+                     "--no_progress", *tiny_bindings(workdir, steps=4, **{"Config.micro_batch_size": 3}))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 2" in second.stdout + second.stderr
+    logged = losses(workdir)
+    assert sorted(logged) == [1, 2, 3, 4] and all(np.isfinite(v) for v in logged.values())
