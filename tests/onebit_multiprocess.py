@@ -1,9 +1,11 @@
 """Run as one of the processes of `zeroflax launch` by tests/test_onebit.py: the linear problem of test_onebit
-at ZeRO stage 2 for 12 steps (freeze_step 4); process 0 writes the final parameters to argv[1] (.npz)."""
+at ZeRO stage 2 for 12 steps (freeze_step 4); process 0 writes the final parameters to argv[1] (.npz). argv[2]
+'ordered': with Config.deterministic_reductions."""
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={os.environ.get('ZEROFLAX_CPU_DEVICES', '8')}"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +  # the suite's own flags, so its compiles are alike
+                           f" --xla_force_host_platform_device_count={os.environ.get('ZEROFLAX_CPU_DEVICES', '8')}")
 from zeroflax.distributed import maybe_initialize  # noqa: E402
 
 maybe_initialize()
@@ -16,7 +18,7 @@ from test_onebit import N, engine_for, problem  # noqa: E402
 
 STEPS = 12
 _, grads = problem(STEPS)
-engine, state = engine_for(2)
+engine, state = engine_for(2, ordered=sys.argv[2:] == ["ordered"])
 index, count = engine.batch_share()
 rows = N // count
 for t in range(STEPS):

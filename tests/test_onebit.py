@@ -14,6 +14,7 @@ import zeroflax
 from zeroflax.checkpoint import Checkpointer
 from zeroflax.optim import onebit_adam
 from zeroflax.step.onebit_sync import SKETCH_BUCKETS, norm_sketch
+from cli_helpers import TEST_XLA_FLAGS
 from onebit_sim import _sketch, simulate_onebit_adam
 
 N = 8
@@ -36,12 +37,12 @@ def problem(steps, seed=0):
     return params, grads
 
 
-def engine_for(stage, grad_clip=0.0, devices=None, local_clip=False, **hyper):
+def engine_for(stage, grad_clip=0.0, devices=None, local_clip=False, ordered=False, **hyper):
     hp = {**HYPER, **hyper}
     optimizer = onebit_adam(hp["lr"], hp["b1"], hp["b2"], hp["eps"], hp["weight_decay"], hp["freeze_step"],
                             local_clip=local_clip)
     config = zeroflax.Config(zero_stage=stage, micro_batch_size=1, persistence_threshold=0, grad_clip=grad_clip,
-                             remat="none")
+                             remat="none", deterministic_reductions=ordered)
     return zeroflax.initialize(linear_loss, problem(0)[0], optimizer, config, devices=devices)
 
 
@@ -102,18 +103,24 @@ def test_the_norm_sketch_is_the_simulations_and_estimates_the_norm():
         ratios.mean(), ratios.std(), np.abs(ratios - 1).max())
 
 
-def test_two_processes_match_one(tmp_path):
-    """2 processes x 4 devices (gloo), ZeRO stage 2, 12 steps with freeze_step 4: the same parameters as
-    1 x 8 (and as the simulation) within 1e-6."""
+def two_processes(tmp_path, *args):
+    """The final parameters of tests/onebit_multiprocess.py run as 2 processes x 4 devices (gloo)."""
     out = tmp_path / "params.npz"
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}  # the suite's compiler flags, without its device count
     done = subprocess.run([sys.executable, "-m", "zeroflax", "launch", "--nproc", "2", "--devices_per_process", "4",
-                           "--", sys.executable, os.path.join(here, "onebit_multiprocess.py"), str(out)],
+                           "--", sys.executable, os.path.join(here, "onebit_multiprocess.py"), str(out), *args],
                           capture_output=True, text=True, timeout=300, env=env, cwd=os.path.dirname(here))
     assert done.returncode == 0, done.stderr[-3000:]
     two = dict(np.load(out))
     assert int(two.pop("processes")) == 2
+    return two
+
+
+def test_two_processes_match_one(tmp_path):
+    """2 processes x 4 devices (gloo), ZeRO stage 2, 12 steps with freeze_step 4: the same parameters as
+    1 x 8 (and as the simulation) within 1e-6."""
+    two = two_processes(tmp_path)
     params, grads = problem(12)
     engine, state = engine_for(2)
     for t in range(12):
@@ -122,6 +129,18 @@ def test_two_processes_match_one(tmp_path):
     for k in SHAPES:
         np.testing.assert_allclose(two[k], np.asarray(engine.model_params(state)[k]), atol=1e-6, rtol=0)
         np.testing.assert_allclose(two[k], expected[k], atol=1e-5, rtol=0)
+
+
+def test_two_processes_equal_one_bitwise_with_ordered_reductions(tmp_path):
+    """The same run with Config.deterministic_reductions: 2 x 4 equals 1 x 8 bitwise (with psum and gloo
+    they differ by up to 2.4e-7), warm-up, first and compressed steps alike."""
+    two = two_processes(tmp_path, "ordered")
+    _, grads = problem(12)
+    engine, state = engine_for(2, ordered=True)
+    for t in range(12):
+        state, _ = engine.step(state, grads[t])
+    for k in SHAPES:
+        np.testing.assert_array_equal(two[k], np.asarray(engine.model_params(state)[k]))
 
 
 def test_one_worker_is_adam_without_bias_correction_and_a_frozen_variance():

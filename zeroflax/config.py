@@ -183,6 +183,13 @@ class Config:
         parameters and optimizer state (metrics['skipped']) and training goes on, counting such steps
         (`skipped_steps`); like fp16's loss scaling, it keeps the old and the new model states alive
         together during the update. Neither ever writes non-finite parameters into a checkpoint.
+    deterministic_reductions: the gradient sync's sums over the data axis (ZeRO's reduce-scatters and
+        all-reduces, 1-bit Adam's means of norms) add the devices' values in the order of their indices
+        (`zeroflax.sharding.ordered`) instead of the collective library's order, so that a run gives the
+        same bits on 1 process x 8 devices as on 2 x 4. Same bytes moved; the sums cannot overlap the
+        transfers. The gradient norm is then measured (and the gradient clipped) in the sync, and the loss
+        and model state's means over `data` are ordered too. Refused with ZeRO stage 3 (its reduce-scatter
+        is inside the backward pass), fp16, offload, and any mesh axis but `data` larger than 1.
     """
 
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -209,6 +216,7 @@ class Config:
     data_axis_aliases: tuple = ("batch",)
     seed: int = 0
     nonfinite: str = "error"
+    deterministic_reductions: bool = False
 
     def __post_init__(self):
         require(isinstance(self.mesh, MeshConfig), "Config.mesh",
@@ -221,6 +229,19 @@ class Config:
                 f"unknown precision {self.precision!r}", f"use one of {', '.join(PRECISIONS)}")
         require(self.nonfinite in ("error", "skip"), "Config.nonfinite",
                 f"must be 'error' or 'skip', got {self.nonfinite!r}")
+        require(isinstance(self.deterministic_reductions, bool), "Config.deterministic_reductions",
+                f"must be True or False, got {self.deterministic_reductions!r}")
+        require(not (self.deterministic_reductions and self.zero_stage == 3), "Config.deterministic_reductions",
+                "orders the gradient sync's sums, but zero_stage 3 reduce-scatters inside the backward pass, "
+                "where they are the collective library's", "use zero_stage 0, 1 or 2")
+        require(not (self.deterministic_reductions and self.precision == "fp16"), "Config.deterministic_reductions",
+                "measures the gradient norm in the sync, before fp16's loss scale is divided out, which is not built",
+                "use 'bf16' or 'fp32'")
+        others = [name for name, size in self.mesh.axes.items() if name != DATA_AXIS and size != 1]
+        require(not (self.deterministic_reductions and others), "Config.deterministic_reductions",
+                f"orders the sums over '{DATA_AXIS}' only, but the mesh axis {others[0] if others else ''!r} is "
+                "not of size 1: its reductions (XLA's, the pipeline's) keep the collective library's order",
+                "give every mesh axis but 'data' size 1, or set deterministic_reductions False")
         require(is_int(self.micro_batch_size) and self.micro_batch_size >= 1, "Config.micro_batch_size",
                 f"must be a positive integer, got {self.micro_batch_size!r}")
         require(is_int(self.grad_accum_steps) and self.grad_accum_steps >= 1, "Config.grad_accum_steps",
@@ -292,6 +313,9 @@ class Config:
                 "set delayed_update_prediction = 'none' (DeepSpeed's DPU), or offload_param 'none'")
         require(not (self.offload_param.enabled and stages > 1), "OffloadParamConfig.device",
                 "streaming parameters into pipeline stages is not built", "use a pipe axis of 1, or offload_param 'none'")
+        require(not (self.deterministic_reductions and self.offload_optimizer.enabled), "Config.deterministic_reductions",
+                "measures the gradient norm in the sync, but the offloaded update measures its own",
+                "set OffloadOptimizerConfig.device = 'none', or deterministic_reductions False")
         rules = tuple(tuple(rule) for rule in self.logical_rules)
         for rule in rules:
             require(len(rule) == 2 and isinstance(rule[0], str) and (rule[1] is None or isinstance(rule[1], str)),

@@ -19,6 +19,8 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+from zeroflax.sharding.ordered import sum_all
+
 
 def manual_over(fn: Callable, axes: set, in_specs, out_specs) -> Callable:
     """fn made manual over `axes` as well, inside the engine's step (a nested shard_map on the step's
@@ -36,6 +38,7 @@ def on_slices(fn: Callable, x, spec: tuple):
     return manual_over(fn, axes, P(*spec), P(*spec))(x)
 
 
-def psum_on_slices(x, axis: str, spec: tuple):
-    """The sum of x over the manual mesh axis `axis`, on this device's slices (`spec`, as for `on_slices`)."""
-    return on_slices(lambda part: jax.lax.psum(part, axis), x, spec)
+def psum_on_slices(x, axis: str, spec: tuple, ordered: bool = False):
+    """The sum of x over the manual mesh axis `axis`, on this device's slices (`spec`, as for `on_slices`);
+    `ordered`: added in the devices' order along `axis` (`sharding.ordered`), the same bits in any layout."""
+    return on_slices(lambda part: sum_all(part, axis, ordered), x, spec)

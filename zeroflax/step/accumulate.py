@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 
 from zeroflax.sharding.mesh import DATA_AXIS
+from zeroflax.sharding.ordered import mean_all
 
 
 @dataclasses.dataclass(frozen=True)
 class Accumulation:
     accum: int  # micro-batches per device and step (Config.grad_accum_steps)
+    ordered: bool = False  # Config.deterministic_reductions: the means below in device order
     manual_axes: frozenset = frozenset({DATA_AXIS})
     schedule = None
     layer_order = None
@@ -46,11 +48,12 @@ class Accumulation:
                 body, (*zeros, model_state), (micro, jnp.arange(self.accum)))
             loss = loss / self.accum
             aux = jax.tree.map(lambda a: a / self.accum, aux)
-        loss = jax.lax.pmean(loss, DATA_AXIS)
-        aux = jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux)
+        mean = lambda x: mean_all(x, DATA_AXIS, self.ordered)
+        loss = mean(loss)
+        aux = jax.tree.map(mean, aux)
         # Every device (and so every checkpoint) holds the same model state: the mean over `data`.
         model_state = jax.tree.map(
-            lambda x: jax.lax.pmean(x, DATA_AXIS) if jnp.issubdtype(x.dtype, jnp.inexact) else x, model_state)
+            lambda x: mean(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x, model_state)
         return grads, loss, aux, model_state
 
     def after_sync(self, grads):

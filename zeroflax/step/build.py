@@ -65,7 +65,8 @@ def build_parts(config: Config, plan: ShardingPlan, optimizer: optax.GradientTra
         raise ConfigError("OffloadOptimizerConfig.device", "offload with " + (
             "the interleaved pipeline schedule" if source.layer_order is not None else "model state (Flax "
             "collections such as batch_stats)") + " is not built", "set OffloadOptimizerConfig.device='none'")
-    zero = ZeroGradSync(config.zero_stage, plan.placements)
+    zero = ZeroGradSync(config.zero_stage, plan.placements, ordered=config.deterministic_reductions,
+                        grad_clip=config.grad_clip)
     sync = _onebit_sync(config, plan, optimizer, abstract_params, zero) or zero
     skips = skips_nonfinite(config)
     update = (OffloadedUpdate(plan, config, source.manual_axes, optimizer, skips) if plan.offload else
@@ -76,7 +77,7 @@ def build_parts(config: Config, plan: ShardingPlan, optimizer: optax.GradientTra
 def _source(config: Config, plan: ShardingPlan, has_model_state: bool) -> GradSource:
     stages = pipe_size(plan.mesh)
     if stages == 1:
-        return Accumulation(config.grad_accum_steps)
+        return Accumulation(config.grad_accum_steps, ordered=config.deterministic_reductions)
     layers = check_pipeline(config, plan.placements, stages, has_model_state)
     virtual = config.pipeline_virtual_stages
     schedule = build_schedule(config.pipeline_schedule, stages, config.grad_accum_steps, virtual)

@@ -22,6 +22,7 @@ from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.optim.onebit import OneBitAdam, OneBitSettings
 from zeroflax.sharding.collectives import add_padding, cut_padding
 from zeroflax.sharding.mesh import DATA_AXIS
+from zeroflax.sharding.ordered import mean_all
 from zeroflax.sharding.policy import ZERO_PARTITIONED, is_placement
 from zeroflax.step.parts import Synced
 
@@ -275,13 +276,13 @@ class OneBitSync:
         """Warm-up: ZeRO's reduction. Compressed phases (fp16 is refused, so the loss scale is 1): (the
         exchanged momentum, (the new sync state, the gradient norm))."""
         if phase == WARMUP:
-            return self.zero.reduced(grads), None
+            return self.zero.final(grads)
         momentum, sync_state, norm = self.exchanged(grads, *inputs)
         return momentum, (sync_state, norm)
 
     def synced(self, grads, outputs, state, phase: str) -> Synced:
         if phase == WARMUP:
-            return Synced(grads, state)
+            return self.zero.synced(grads, outputs, state)
         sync_state, norm = outputs
         return Synced(grads, sync_state, norm, {"momentum": grads})
 
@@ -303,11 +304,11 @@ class OneBitSync:
         local = jax.tree.map(lambda g: g.astype(jnp.float32) * n, grads)
         if self.grad_clip > 0 and not s.local_clip:  # one factor on every device: the exchanged momentum
             # follows the clipped mean gradient, whose norm the all-reduced sketch estimates
-            norm = jnp.sqrt(jnp.sum(jnp.square(jax.lax.pmean(norm_sketch(local), self.axis))))
+            norm = jnp.sqrt(jnp.sum(jnp.square(mean_all(norm_sketch(local), self.axis, self.zero.ordered))))
             local = clip_to(local, norm, self.grad_clip)
         else:
             local_norm = global_norm(local)
-            norm = jax.lax.pmean(local_norm, self.axis)
+            norm = mean_all(local_norm, self.axis, self.zero.ordered)
             if self.grad_clip > 0:  # DeepSpeed's fp32 engine clips the local gradient its optimizer sees
                 local = clip_to(local, local_norm, self.grad_clip)
 

@@ -22,9 +22,11 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zeroflax.sharding.collectives import padded_scatter
+from zeroflax.optim.clipping import clip_to
+from zeroflax.sharding.collectives import add_padding
 from zeroflax.sharding.manual import on_slices, psum_on_slices
 from zeroflax.sharding.mesh import DATA_AXIS
+from zeroflax.sharding.ordered import ordered_global_norm, sum_scatter
 from zeroflax.sharding.policy import LeafPlacement, is_placement
 from zeroflax.sharding.scopes import GRAD_SYNC_SCOPE
 from zeroflax.step.parts import Synced
@@ -38,6 +40,8 @@ class ZeroGradSync:
     stage: int
     placements: Any  # tree of LeafPlacement, params structure
     axis: str = DATA_AXIS
+    ordered: bool = False  # Config.deterministic_reductions: sums in device order (sharding/ordered.py)
+    grad_clip: float = 0.0  # Config.grad_clip; used here only when `ordered` (the sync then measures the norm)
     phases = (STEADY,)
 
     # No state of its own, and nothing but the gradients to exchange.
@@ -61,13 +65,15 @@ class ZeroGradSync:
         return P()
 
     def synced(self, grads, outputs, state, phase: str = STEADY) -> Synced:
-        return Synced(grads, state)
+        return Synced(grads, state, outputs)  # outputs: the norm, when `ordered` measured it
 
     def _map(self, fn, grads):
         return jax.tree.map(lambda p, g: fn(p, g), self.placements, grads, is_leaf=is_placement)
 
     def _scatter(self, placement: LeafPlacement, grad):
-        scatter = lambda g: padded_scatter(g, placement.zero_dim, self.axis, placement.pad)
+        # The true gradient, padded like the stored leaf, then scattered into this device's stored shard.
+        scatter = lambda g: sum_scatter(add_padding(g, placement.zero_dim, placement.pad), self.axis,
+                                        placement.zero_dim, self.ordered)
         return on_slices(scatter, grad, placement.auto_spec())
 
     def per_microbatch(self, grads, phase: str = STEADY):
@@ -77,15 +83,24 @@ class ZeroGradSync:
             return self._map(lambda p, g: g if p.zero_dim is None else self._scatter(p, g), grads)
 
     def final(self, grads, inputs=None, phase: str = STEADY):
-        """(the reduced gradients, no outputs)."""
-        return self.reduced(grads), None
+        """(the reduced gradients, no outputs); when `ordered`, (the reduced gradients clipped to grad_clip,
+        their norm): the update's own norm would sum the shards' parts in the collective library's order."""
+        reduced = self.reduced(grads)
+        if not self.ordered:
+            return reduced, None
+        split = jax.tree.leaves(self._map(lambda p, g: SCATTER_WHEN[self.stage] is not None and p.zero_dim is not None,
+                                          reduced))
+        leaves = jax.tree.leaves(reduced)
+        norm = ordered_global_norm([g for s, g in zip(split, leaves) if s], [g for s, g in zip(split, leaves) if not s],
+                                   self.axis)
+        return (clip_to(reduced, norm, self.grad_clip) if self.grad_clip > 0 else reduced), norm
 
     def reduced(self, grads):
         when = SCATTER_WHEN[self.stage]
 
         def reduce(p, g):
             if when is None or p.zero_dim is None:
-                return psum_on_slices(g, self.axis, p.auto_spec())
+                return psum_on_slices(g, self.axis, p.auto_spec(), self.ordered)
             if when == "final":
                 return self._scatter(p, g)
             return g  # already scattered per micro-batch or in the backward pass
