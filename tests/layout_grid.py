@@ -20,7 +20,7 @@ WORKER = os.path.join(HERE, "layout_worker.py")
 
 # The worker's configurations (it checks that its table has exactly these names).
 CONFIGS = ("stage0", "stage1", "stage3", "stage2_accum2", "pipeline_pipe_major", "pipeline_data_major",
-           "offload_stage3", "onebit_stage2")
+           "offload_stage3", "onebit_stage2", "stage2_ordered", "onebit_ordered")
 # (config, layout) -> the ConfigError zeroflax gives, by design: with a pipe axis of 2 over 6 devices, a
 # process must hold whole blocks of data shards (zeroflax/batch.py: batch_share). Processes of 3 devices
 # can only hold a whole stage (pipe-major order); processes of 2 only one data shard of both stages
@@ -192,6 +192,8 @@ def compare(root: str, layouts: list[Layout]) -> list[Cell]:
                 cell.diff, cell.bitwise = difference(run, reference)
                 cell.partitioned, cell.leaves = len(run.partitioned), len(run.final)
                 assert cell.diff <= TOL, f"max |diff| {cell.diff:.3g} > {TOL:g}"
+                if config.endswith("_ordered"):  # Config.deterministic_reductions: the same bits on any layout
+                    assert cell.bitwise, f"not bitwise with deterministic_reductions (max |diff| {cell.diff:.3g})"
             except AssertionError as error:
                 cell.failure = str(error)
     return cells

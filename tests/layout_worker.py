@@ -108,6 +108,12 @@ def configs():
                                     **base), adamw())
     out["onebit_stage2"] = (Config(zero_stage=2, micro_batch_size=2, **base),
                             onebit_adam(LR, eps=ONEBIT_EPS, weight_decay=0.01, freeze_step=2))
+    # Config.deterministic_reductions: the sums over `data` in device order, so the layouts agree bit for bit;
+    # 1-bit Adam then at the eps whose near-zero frozen variances amplify any reassociation (see ONEBIT_EPS).
+    ordered = dict(base, deterministic_reductions=True, grad_clip=1.0)
+    out["stage2_ordered"] = (Config(zero_stage=2, micro_batch_size=1, grad_accum_steps=2, **ordered), adamw())
+    out["onebit_ordered"] = (Config(zero_stage=2, micro_batch_size=2, **ordered),
+                             onebit_adam(LR, eps=EPS, weight_decay=0.01, freeze_step=2))
     return out
 
 

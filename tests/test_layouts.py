@@ -4,7 +4,9 @@ an odd-shaped fp32 model, gives the same parameters on 2 processes x 3 devices a
 `zeroflax launch`) as on 1 process x 6 devices, within 1e-6 (max absolute difference); the table printed
 (pytest -s) says which are bitwise. The pipeline runs in the mesh order each layout allows (the other order
 is refused with a ConfigError, checked) and the two orders agree on 1 x 6. The table also counts the leaves
-ZeRO partitioned over `data` (none yet: no dimension of this model divides 6 or 3). N = 8 (1x8, 2x4) is in
+whose parameters ZeRO partitions over `data` (at stage 3 and under offload all of them, padded: no dimension
+of this model divides 6 or 3; at stages 1-2 the optimizer state is). With Config.deterministic_reductions
+('_ordered') the layouts must agree bit for bit, 1-bit Adam included. N = 8 (1x8, 2x4) is in
 benchmarks/layouts.py, kept out of here for time: each layout is one worker launch that compiles every
 configuration (about 10, 23 and 17 s on 2 idle cores)."""
 import time
