@@ -43,7 +43,8 @@ array to an (N, C) array of rows (row i is server i's chunk, C a multiple of 8) 
 Layouts (one per parameter):
   ("flat",)   DeepSpeed's: p flattened in C order, zero-padded at the end to a multiple of
               N * lcm(N, 8) (DeepSpeed's `size * divider`), reshaped to (N, C).
-  ("zero", d) p split into N equal contiguous slices along dimension d; row i is slice i flattened in
+  ("zero", d) p zero-padded along dimension d to a multiple of N (zeroflax's stored leaf, when N does
+              not divide it), split into N equal contiguous slices along d; row i is slice i flattened in
               C order, zero-padded at the end to C = the slice size rounded up to a multiple of 8.
 
 Bit packing does not change any value, so signs are kept as float32 +-1 and never packed.
@@ -98,8 +99,6 @@ def _check_layout(shape: tuple, layout: tuple, n: int) -> None:
         d = layout[1]
         if not (isinstance(d, int) and -len(shape) <= d < len(shape)):
             raise ValueError(f"layout {layout}: no dimension {d} in shape {shape}")
-        if shape[d] % n != 0:
-            raise ValueError(f"layout {layout}: dimension {d} of shape {shape} is not divisible by N={n}")
         return
     raise ValueError(f"unknown layout {layout!r}: expected ('flat',) or ('zero', d)")
 
@@ -114,8 +113,14 @@ def row_width(shape: tuple, layout: tuple, n: int) -> int:
         unit = n * divider  # DeepSpeed pads the flat tensor to a multiple of size * divider
         corrected = -(-size // unit) * unit
         return corrected // n
-    slice_size = size // n
+    slice_size = math.prod(_padded(shape, layout[1], n)) // n
     return -(-slice_size // 8) * 8
+
+
+def _padded(shape: tuple, d: int, n: int) -> tuple:
+    """`shape` with dimension d rounded up to a multiple of n."""
+    d = d % len(shape)
+    return shape[:d] + (-(-shape[d] // n) * n,) + shape[d + 1:]
 
 
 def to_rows(x: np.ndarray, layout: tuple, n: int) -> np.ndarray:
@@ -127,8 +132,10 @@ def to_rows(x: np.ndarray, layout: tuple, n: int) -> np.ndarray:
         flat = np.zeros(n * c, dtype=F32)
         flat[: x.size] = x.reshape(-1)
         return flat.reshape(n, c)
-    d = layout[1]
-    for i, piece in enumerate(np.split(x, n, axis=d)):
+    d = layout[1] % x.ndim
+    padded = np.zeros(_padded(x.shape, d, n), dtype=F32)
+    padded[tuple(slice(0, k) for k in x.shape)] = x
+    for i, piece in enumerate(np.split(padded, n, axis=d)):
         rows[i, : piece.size] = piece.reshape(-1)
     return rows
 
@@ -143,10 +150,12 @@ def from_rows(rows: np.ndarray, shape: tuple, layout: tuple, n: int) -> np.ndarr
     if layout == ("flat",):
         return rows.reshape(-1)[:size].reshape(shape).copy()
     d = layout[1] % len(shape)
-    slice_shape = shape[:d] + (shape[d] // n,) + shape[d + 1:]
-    slice_size = size // n
+    padded = _padded(shape, d, n)
+    slice_shape = padded[:d] + (padded[d] // n,) + padded[d + 1:]
+    slice_size = math.prod(slice_shape)
     pieces = [rows[i, :slice_size].reshape(slice_shape) for i in range(n)]
-    return np.concatenate(pieces, axis=d).astype(F32)
+    whole = np.concatenate(pieces, axis=d).astype(F32)
+    return whole[tuple(slice(0, k) for k in shape)].copy()
 
 
 # ----------------------------------------------------------------------------------------------

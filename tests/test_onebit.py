@@ -18,10 +18,12 @@ from cli_helpers import TEST_XLA_FLAGS
 from onebit_sim import _sketch, simulate_onebit_adam
 
 N = 8
-# (13,): indivisible, replicated at every stage (DeepSpeed's flat layout, 13 -> 64 padded); (6, 40): 240
-# elements, not a multiple of 64, partitioned along its last dimension at stages 1-2 (shards of 30 -> 32);
-# (24, 5): along its first (shards of 15 -> 16).
-SHAPES = {"a": (13,), "b": (6, 40), "c": (24, 5)}
+# (13,): below the persistence threshold (14), replicated at every stage (DeepSpeed's flat layout, 13 -> 64
+# padded); (6, 40): 240 elements, not a multiple of 64, partitioned along its last dimension at stages 1-2
+# (shards of 30 -> 32); (24, 5): along its first (shards of 15 -> 16); (7, 5): 8 divides neither dimension,
+# so it is stored padded to (8, 5) and partitioned along its first (shards of 5 -> 8; sharding/padding.py).
+SHAPES = {"a": (13,), "b": (6, 40), "c": (24, 5), "d": (7, 5)}
+THRESHOLD = 14
 HYPER = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, freeze_step=4)
 
 
@@ -41,7 +43,7 @@ def engine_for(stage, grad_clip=0.0, devices=None, local_clip=False, ordered=Fal
     hp = {**HYPER, **hyper}
     optimizer = onebit_adam(hp["lr"], hp["b1"], hp["b2"], hp["eps"], hp["weight_decay"], hp["freeze_step"],
                             local_clip=local_clip)
-    config = zeroflax.Config(zero_stage=stage, micro_batch_size=1, persistence_threshold=0, grad_clip=grad_clip,
+    config = zeroflax.Config(zero_stage=stage, micro_batch_size=1, persistence_threshold=THRESHOLD, grad_clip=grad_clip,
                              remat="none", deterministic_reductions=ordered)
     return zeroflax.initialize(linear_loss, problem(0)[0], optimizer, config, devices=devices)
 
@@ -72,7 +74,10 @@ def test_matches_deepspeed_workers(stage, grad_clip, local_clip):
         state, metrics = engine.step(state, grads[t])
     expected, layouts, sim_state = simulated(engine, params, grads, steps, grad_clip, local_clip)
     partitioned = stage in (1, 2)
-    assert layouts == ([("flat",), ("zero", 1), ("zero", 0)] if partitioned else [("flat",)] * 3)
+    assert layouts == ([("flat",), ("zero", 1), ("zero", 0), ("zero", 0)] if partitioned else [("flat",)] * 4)
+    assert engine.plan.padded == partitioned  # the optimizer state of 'd'
+    if partitioned:
+        assert state.opt_state.mu["d"].shape == (8, 5)
     assert phases == ["warmup"] * 4 + (["first"] if partitioned else ["compressed"]) + ["compressed"] * 7
     for k in SHAPES:
         np.testing.assert_allclose(np.asarray(engine.model_params(state)[k]), expected[k], atol=1e-5, rtol=0)
@@ -156,7 +161,7 @@ def test_one_worker_is_adam_without_bias_correction_and_a_frozen_variance():
         p = optax.apply_updates(p, updates)
     keys = sorted(SHAPES)
     expected, _ = simulate_onebit_adam([params[k] for k in keys], [[[g[k][0] for k in keys]] for g in grads],
-                                       layouts=[("flat",)] * 3, **HYPER)
+                                       layouts=[("flat",)] * len(keys), **HYPER)
     for k, e in zip(keys, expected):
         np.testing.assert_allclose(np.asarray(p[k]), e, atol=1e-6, rtol=0)
 

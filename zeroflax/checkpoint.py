@@ -261,8 +261,12 @@ def _saved_shapes(manager, step: int) -> dict:
         return manager.restore(step, args=ocp.args.Composite(shapes=ocp.args.JsonRestore()))["shapes"]
     except Exception:  # no 'shapes' item: nothing was padded, the arrays have their true shapes
         pass
-    metadata = manager.item_metadata(step)
-    tree = {"params": metadata["params"], "train": metadata["train"]}
+    try:
+        metadata = manager.item_metadata(step)
+        tree = {"params": metadata["params"], "train": metadata["train"]}
+    except Exception as error:  # orbax raises many types for a damaged directory
+        raise CheckpointError(f"corrupt or incompatible checkpoint: cannot read the array shapes of step {step} "
+                              f"({type(error).__name__})") from error
     paths = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(path): list(getattr(x, "shape", ())) for path, x in paths}
 

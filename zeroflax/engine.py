@@ -216,8 +216,8 @@ class Engine:
         """`state.params` as the model declares them: stacked layers in model order (layer i of the stack is
         the model's layer i), true shapes (a leaf stored padded comes back whole over `data`)."""
         params = self.layers.convert("params", state.params, True, self.plan.params)
-        if not self.plan.padded:
-            return params
+        if all(np.shape(x) == a.shape for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(self.abstract_params))):
+            return params  # nothing stored padded (stages 1-2 pad only the optimizer state)
         if self._jit_true_params is None:
             self._jit_true_params = jax.jit(lambda p: to_true(p, self.abstract_params),
                                             out_shardings=self.plan.true_params_shardings())

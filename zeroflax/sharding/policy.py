@@ -218,8 +218,10 @@ class ShardingPlan:
 
     @property
     def padded(self) -> bool:
-        """Whether any partitioned leaf is padded (the data size divides none of its dimensions)."""
-        return any(p.pad for p in jax.tree.leaves(self.placements, is_leaf=is_placement))
+        """Whether a state is stored padded: a leaf partitioned over `data` (its optimizer state from stage 1
+        on, its master weights at stage 3 or under offload) whose dimensions the data size divides none of."""
+        partitions = self.stage >= 1 or self.offload
+        return partitions and any(p.pad for p in jax.tree.leaves(self.placements, is_leaf=is_placement))
 
     @property
     def offload(self) -> bool:
