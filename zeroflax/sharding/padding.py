@@ -46,11 +46,6 @@ def stored_shape(shape, sharding) -> tuple[int, ...]:
     return tuple(-(-n // k) * k for n, k in zip(shape, shards_per_dim(sharding, len(shape))))
 
 
-def padding_elements(shape, sharding) -> int:
-    """Elements of zeros the stored leaf adds to the true one."""
-    return math.prod(stored_shape(shape, sharding)) - math.prod(tuple(shape))
-
-
 def stored_abstract(abstract_tree, shardings):
     """ShapeDtypeStructs of `abstract_tree` (true shapes) as stored under `shardings` (with them)."""
     def one(x, sharding):
