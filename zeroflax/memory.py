@@ -187,7 +187,7 @@ class MemoryReport:
         if self.whole_leaves:
             total = sum(row["bytes"] for row in self.whole_leaves.values())
             count = len(self.whole_leaves)
-            lines.append(f"  held whole over data: {count} leaf{'' if count == 1 else 's'}, {_size(total)} per device "
+            lines.append(f"  held whole over data: {count} {'leaf' if count == 1 else 'leaves'}, {_size(total)} per device "
                          f"({_size(self.whole_excess)} beyond 1/N)")
             rows = sorted(self.whole_leaves.items(), key=lambda kv: -kv[1]["bytes"])
             for path, row in rows[:LISTED]:
