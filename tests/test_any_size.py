@@ -232,3 +232,21 @@ def test_train_on_six_devices_resumes_on_eight(tmp_path):
     assert "resumed from step 2" in second.stdout + second.stderr
     logged = losses(workdir)
     assert sorted(logged) == [1, 2, 3, 4] and all(np.isfinite(v) for v in logged.values())
+
+
+def test_restore_without_the_true_shapes_still_refuses_what_does_not_fit(tmp_path):
+    """Checkpointer.restore called without `true_state` (the API as before) cannot tell a model that differs
+    only inside the padding, but refuses any array whose true shape does not pad to the target's (orbax's
+    non-strict restore would otherwise cut or pad it silently)."""
+    params, loss, batches = _case("odd", rows=24)
+    engine, state = _run(params, loss, batches[:1], _config(6), jax.devices()[:6])
+    _saved(engine, state, str(tmp_path / "ckpt"))
+    other_params = dict(params, w2=jax.numpy.zeros((24, 14)), w3=jax.numpy.zeros((14, 5)))
+    other, _ = zeroflax.initialize(odd_loss, other_params, adamw(weight_decay=0.1), _config(6),
+                                   devices=jax.devices()[:6], abstract=True)
+    checkpoints = Checkpointer(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match=r"another model: \['params'\]\['w2'\] is \[24, 13\] in the checkpoint"):
+        checkpoints.restore(None, other.abstract_state(), other.state_shardings)
+    restored, _, _ = checkpoints.restore(None, engine.abstract_state(), engine.state_shardings)  # the same model: fine
+    checkpoints.close()
+    assert int(restored.step) == 1

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from zeroflax.sharding.padding import stored_shape
 from zeroflax.sharding.policy import is_none
 
 
@@ -89,14 +90,17 @@ def _abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _by_path(tree) -> dict:
+    return {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def true_shapes(state) -> dict:
     """The 'shapes' item: path -> true shape of every array of the parameters and the 'train' item.
 
     The arrays themselves are stored as the engine holds them: a leaf that the data size does not divide
     is padded with zeros (sharding.padding). Restoring cuts or pads each to the restoring engine's stored
     shape (orbax's non-strict restore), after checking that the true shapes are the engine's."""
-    paths = jax.tree_util.tree_flatten_with_path({"params": state.params, "train": _train_item(state)})[0]
-    return {jax.tree_util.keystr(path): list(np.shape(x)) for path, x in paths}
+    return {path: list(np.shape(x)) for path, x in _by_path({"params": state.params, "train": _train_item(state)}).items()}
 
 
 def _check_shapes(saved: dict, expected: dict, step: int, directory: str) -> None:
@@ -168,8 +172,14 @@ class Checkpointer:
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         self.notes = []
+        saved = self.saved_shapes(step)
         if true_state is not None:
-            _check_shapes(self.saved_shapes(step), true_shapes(true_state), step, self.directory)
+            _check_shapes(saved, true_shapes(true_state), step, self.directory)
+        else:  # without the true shapes, each array must at least pad to this engine's stored shape
+            targets = _by_path({"params": state.params, "train": _train_item(state)})
+            placed = _by_path({"params": shardings.params, "train": _train_item(shardings)})
+            _check_shapes({path: list(stored_shape(shape, placed[path])) for path, shape in saved.items() if path in placed},
+                          {path: list(np.shape(x)) for path, x in targets.items()}, step, self.directory)
         sync = None
         if state.sync_state is not None:
             sync = self._restore_sync(step, state.sync_state, shardings.sync_state)
