@@ -38,9 +38,10 @@ import optax
 
 from zeroflax.axes import DATA_AXIS
 from zeroflax.config import Config, ConfigError, MeshConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zeroflax.deepspeed_auto import AutoSources, resolve_auto
 from zeroflax.deepspeed_keys import as_int, check_block
 from zeroflax.deepspeed_optimizer import build_optimizer, read_optimizer
-from zeroflax.deepspeed_precision import read_precision
+from zeroflax.deepspeed_precision import read_autocast, read_data_types, read_precision
 from zeroflax.deepspeed_runtime import read_batch, read_clipping, read_remat, read_tensor_parallel
 from zeroflax.deepspeed_scheduler import read_scheduler
 from zeroflax.deepspeed_settings import Settings
@@ -167,13 +168,19 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
                    warmup_steps: int | None = None, total_steps: int | None = None, hidden_size: int | None = None,
                    world_size: int | None = None,
                    default_optimizer: Callable[[Callable | None], optax.GradientTransformation] | None = None,
+                   base_fills_auto: bool = True, keyword_labels: Mapping[str, str] | None = None,
                    ) -> DeepSpeedImport:
     """Read a DeepSpeed config (a path to its JSON, or a dict) into zeroflax objects.
 
+    Every "auto" is resolved first, in one place (deepspeed_auto.py): from gin's `bound`, then the keywords
+    below, then `base`, then Hugging Face's defaults (TrainingArguments: micro-batch 8, lr 5e-5, clipping
+    1.0, ...); `result.notes` lists each value filled and where it came from, and an "auto" nothing can
+    resolve (total_num_steps without total_steps=) is one error naming all of them.
+
     base: the Config whose fields the JSON does not decide are kept (mesh, seed, pipeline, ...); it also
-        resolves "auto" for train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping
-        and fp16/bf16 enabled. None: Config(), and those "auto" values are refused (or, for the batch keys,
-        derived from the other batch keys).
+        resolves "auto" for the micro-batch, accumulation, gradient_clipping, fp16/bf16 enabled and the
+        ZeRO stage (Hugging Face's TrainingArguments role), unless base_fills_auto is False (the CLI: gin's
+        explicit bindings, `bound`, say what the user chose; Config's own defaults are not a choice).
     bound: zeroflax settings fixed elsewhere, by gin-style name ({"Config.zero_stage": 3}); they fill what the
         JSON leaves out or sets to "auto", and a value the JSON writes must equal them.
     learning_rate, weight_decay, betas, eps, warmup_steps, total_steps: the values of "auto" in the optimizer and
@@ -185,14 +192,14 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
         result.num_devices of them). None: the data axis of base.mesh over all devices.
     default_optimizer: builds the optimizer when the JSON has no optimizer block (DeepSpeed's client
         optimizer); called with the JSON's schedule, or None without scheduler block (keep your own lr).
+    keyword_labels: how the notes name the keywords' source, e.g. {"learning_rate": "TrainConfig.learning_rate"}.
     """
     ds, _ = load_json(source)
-    auto_base, base = base, base if base is not None else Config()  # only a given base resolves "auto"
+    base_given, base = base is not None, base if base is not None else Config()
     settings = Settings(bound)
     notes: list[str] = []
     kw = dict(learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps,
               warmup_steps=warmup_steps, total_steps=total_steps)
-    check_block(ds, "", notes)
 
     axes = dict(settings.bound.get("MeshConfig.axes", base.mesh.axes))
     axes = read_tensor_parallel(ds, settings, axes, notes)
@@ -203,14 +210,21 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
         data_size = world_size if world_size is not None else mesh.resolve(jax.device_count())[DATA_AXIS]
     except ConfigError as error:
         raise _rekeyed(error) from None
-    precision = read_precision(ds, settings, auto_base, notes)
-    stage = read_zero(ds, settings, hidden_size, notes)
-    read_batch(ds, settings, auto_base, data_size, notes)
-    read_clipping(ds, settings, auto_base, notes)
+    sources = AutoSources(bound=settings.bound, keywords={**kw, "hidden_size": hidden_size},
+                          base=base if base_given and base_fills_auto else None, labels=dict(keyword_labels or {}))
+    ds, filled = resolve_auto(ds, sources, data_size)
+    notes += filled
+    check_block(ds, "", notes)
+    read_precision(ds, settings, notes)
+    precision = read_autocast(ds, settings, notes)
+    stage = read_zero(ds, settings, notes)
+    read_batch(ds, settings, data_size, notes)
+    read_clipping(ds, settings, notes)
+    read_data_types(ds, precision, notes)
     remat = read_remat(ds, settings, notes)
     sparse = read_sparse_attention(ds, notes)
 
-    spec = read_optimizer(ds, kw, notes)
+    spec = read_optimizer(ds, notes)
     build_schedule = read_scheduler(ds, kw, notes)
     # The lr a scheduler scales (WarmupCosineLR) or defaults to (WarmupLR): the optimizer block's, else the
     # client optimizer's (learning_rate=).

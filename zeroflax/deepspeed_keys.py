@@ -6,8 +6,9 @@ Each key (a JSON path) is one of
     bucket sizes, stream overlap, memory defragmentation, logging hooks;
   * refused: a `ConfigError` whose fix says what to write instead, unless its value is one of the
     values listed as harmless (DeepSpeed's default, or a block with "enabled": false).
-A key in none of them is unknown: an error naming the nearest known key (`check_block`, at the end, holds a
-block to the table; `check_params` a type-dependent block to its key set; `as_int` and friends read values,
+A key in none of them is unknown: an error naming the nearest known key, except at the top level, where
+DeepSpeed ignores what it does not know and so does zeroflax, with a note, unless the key looks like a typo
+of a known one (`check_block`, at the end, holds a block to the table; `check_params` a type-dependent block to its key set; `as_int` and friends read values,
 each error keyed by the JSON path). docs/from_deepspeed.md shows
 these tables (rendered by `render_markdown`; a test keeps the two equal). DeepSpeed's own key names and
 defaults: deepspeed/runtime/constants.py, runtime/config.py, runtime/zero/config.py, zero/offload_config.py,
@@ -69,6 +70,13 @@ MAPPED: dict[str, str] = {
     "activation_checkpointing": "block present: Config.remat = 'full' (each layer recomputed in the backward pass)",
     "sparse_attention": "block: a zeroflax SparsityConfig for GPTConfig.sparsity (table 'Sparse attention')",
     "tensor_parallel": "block",
+    "torch_autocast": "block: forward under torch.autocast with fp32 weights",
+    "torch_autocast.enabled": "Config.precision = the dtype's, when true",
+    "torch_autocast.dtype": "'bfloat16' -> 'bf16', 'float16' -> 'fp16' (absent: refused, torch's default is fp16 "
+                            "without loss scaling)",
+    "data_types": "block",
+    "data_types.grad_accum_dtype": "noted: zeroflax accumulates gradients in fp32",
+    "data_types.param_dtype": "checked against Config.precision, as DeepSpeed asserts",
     "tensor_parallel.autotp_size": "MeshConfig.axes['tensor'] (0 or 1: no tensor slicing)",
 }
 
@@ -165,6 +173,8 @@ MOOT: dict[str, str] = {
     "activation_checkpointing.synchronize_checkpoint_boundary": "no CUDA streams to synchronise",
     "activation_checkpointing.profile": "no per-checkpoint timers",
     "optimizer.legacy_fusion": "the update is one fused XLA program",
+    "torch_autocast.lower_precision_safe_modules": "gradients are reduced in fp32",
+    "data_types.buffer_dtype": "model_state collections keep the dtype the model gives them",
     # tensor parallel
     "tensor_parallel.tp_overlap_comm": _XLA_COMM,
     "tensor_parallel.dtype": "the compute dtype is Config.precision (fp16 / bf16 blocks)",
@@ -184,8 +194,6 @@ REFUSED: dict[str, tuple[str, str, tuple]] = {
                                       "remove it (true is the default)", (True,)),
     "gradient_allreduce_op": ("gradients are averaged over the data axis", "use 'mean'", ("mean", "MEAN", "Mean")),
     "amp": ("NVIDIA Apex AMP has no JAX counterpart", "use the fp16 or bf16 block", (DISABLED,)),
-    "torch_autocast": ("torch autocast has no JAX counterpart",
-                       "use the bf16 block: compute in bf16 with fp32 master weights is what it does", (DISABLED,)),
     "autotuning": ("no autotuner", "remove the block; zeroflax.memory_report shows the memory of a configuration",
                    (DISABLED,)),
     "eigenvalue": ("no eigenvalue estimation", "remove the block", (DISABLED,)),
@@ -202,8 +210,6 @@ REFUSED: dict[str, tuple[str, str, tuple]] = {
                                "over the tensor axis)", "remove it, or use 1", (1,)),
     "data_parallel_size": ("the data-parallel size is the mesh's data axis (from_deepspeed's world_size)",
                            "remove it", ()),
-    "data_types": ("accumulation and parameter dtypes are fixed: fp32 master weights and gradients",
-                   "remove the block", ()),
     # fp16 / bf16
     "fp16.fp16_master_weights_and_grads": ("master weights and gradients stay fp32", "set it false", (False,)),
     "bf16.bf16_master_weights_and_grads": ("master weights and gradients stay fp32", "set it false", (False,)),
@@ -387,6 +393,17 @@ def _unknown(path: str, known: list[str]):
     raise ConfigError(path, "unknown DeepSpeed key", fix)
 
 
+def _unknown_top_level(key: str, known: list[str], notes: list) -> None:
+    """DeepSpeed ignores a top-level key it does not know (runtime/config.py reads the keys it knows), so it
+    becomes a note; one that looks like a typo of a known key (difflib ratio >= 0.8, e.g. gradient_clip) stays
+    an error, since DeepSpeed would silently drop the setting the user meant."""
+    nearest = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    if nearest and not key.startswith("_"):
+        raise ConfigError(key, "unknown DeepSpeed key", f"the nearest known key is {nearest[0]}: DeepSpeed would "
+                          "ignore this one silently")
+    notes.append(f"{key}: not a DeepSpeed key; ignored, as DeepSpeed ignores unknown top-level keys")
+
+
 def _harmless(value, accepted) -> bool:
     for ok in accepted:
         if ok is DISABLED:
@@ -413,7 +430,9 @@ def check_block(tree: dict, prefix: str, notes: list) -> None:
             if not _harmless(value, accepted):
                 raise ConfigError(path, f"refused: {why}", fix)
         elif path not in MAPPED:
-            _unknown(path, known)
+            if prefix:
+                _unknown(path, known)
+            _unknown_top_level(key, known, notes)
 
 
 def check_params(params: dict, prefix: str, takes: Mapping, moot: Mapping, notes: list, what: str) -> None:

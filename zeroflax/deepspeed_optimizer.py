@@ -3,7 +3,7 @@
 Adam and AdamW become `deepspeed_adam` (the arithmetic of DeepSpeed's FusedAdam, CPU Adam and torch
 Adam/AdamW: eps outside the square root, adam_w_mode, bias_correction, torch_adam) under
 `optax.inject_hyperparams`; OneBitAdam becomes zeroflax.optim.onebit_adam. `read_optimizer` reads and checks
-the block ("auto" resolved from from_deepspeed's keywords); `build_optimizer` builds the optimizer once the
+the block ("auto" was resolved before, deepspeed_auto.py); `build_optimizer` builds the optimizer once the
 learning-rate schedule (deepspeed_scheduler.py) is known.
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ import optax
 from zeroflax import deepspeed_keys as keys
 from zeroflax.config import ConfigError
 from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_block, check_params, is_number
-from zeroflax.deepspeed_settings import AUTO
 from zeroflax.optim.onebit import onebit_adam
 
 
@@ -58,8 +57,8 @@ def _betas(value, path):
     return float(value[0]), float(value[1])
 
 
-def _optimizer_params(ds: dict, kind: str, kw: dict, notes: list) -> dict:
-    """The optimizer block's params with "auto" resolved and DeepSpeed's defaults filled in."""
+def _optimizer_params(ds: dict, kind: str, notes: list) -> dict:
+    """The optimizer block's params with DeepSpeed's defaults filled in."""
     params = as_block(ds["optimizer"].get("params", {}), "optimizer.params")
     if kind == "onebitadam":
         takes, moot = keys.ONEBIT_PARAMS, keys.ONEBIT_MOOT
@@ -71,27 +70,15 @@ def _optimizer_params(ds: dict, kind: str, kw: dict, notes: list) -> dict:
     for key, refused in (("fp32_optimizer_states", False), ("maximize", True)):
         if key in params and params[key] is refused:
             raise ConfigError(f"optimizer.params.{key}", f"refused: {key} = {refused}", f"set it {not refused}")
-    out = {}
-    resolve = {"lr": "learning_rate", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
-    for key, default in takes.items():
-        path = f"optimizer.params.{key}"
-        value = params.get(key, default)
-        if value == AUTO:
-            keyword = resolve.get(key)
-            if keyword is None or kw.get(keyword) is None:
-                raise ConfigError(path, "'auto' has nothing to resolve it",
-                                  f"write a value, or pass {keyword}=" if keyword else "write a value")
-            value = kw[keyword]
-            notes.append(f"{path}: 'auto' resolved to {value!r} ({keyword}=)")
-        out[key] = value
+    out = {key: params.get(key, default) for key, default in takes.items()}
     if kind != "onebitadam" and out["torch_adam"] is True and "weight_decay" not in params:
         decoupled = kind == "adamw" or out["adam_w_mode"] is not False
         out["weight_decay"] = 0.01 if decoupled else 0.0  # torch.optim.AdamW's default weight decay is 0.01
     return out
 
 
-def read_optimizer(ds: dict, kw: dict, notes: list) -> tuple[str, dict] | None:
-    """The optimizer block read and checked: (kind, params with "auto" resolved and DeepSpeed's defaults)."""
+def read_optimizer(ds: dict, notes: list) -> tuple[str, dict] | None:
+    """The optimizer block read and checked: (kind, params with DeepSpeed's defaults)."""
     if "optimizer" not in ds:
         return None
     block = as_block(ds["optimizer"], "optimizer")
@@ -108,7 +95,7 @@ def read_optimizer(ds: dict, kw: dict, notes: list) -> tuple[str, dict] | None:
     if kind not in ("adam", "adamw", "onebitadam"):
         raise ConfigError("optimizer.type", f"{name!r} is not mapped (DeepSpeed would build torch.optim.{name})",
                           "use Adam, AdamW or OneBitAdam, or pass your own optax optimizer (drop the block)")
-    p = _optimizer_params(ds, kind, kw, notes)
+    p = _optimizer_params(ds, kind, notes)
     path = "optimizer.params."
     p["lr"] = as_number(p["lr"], path + "lr")
     p["betas"] = _betas(p["betas"], path + "betas")

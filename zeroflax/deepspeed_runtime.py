@@ -7,33 +7,28 @@ DeepSpeed's batch rule over the data-parallel size), gradient_clipping, the acti
 from __future__ import annotations
 
 from zeroflax.axes import TENSOR_AXIS
-from zeroflax.config import Config, ConfigError
+from zeroflax.config import ConfigError
 from zeroflax.deepspeed_keys import as_block, as_int, as_number, check_block
-from zeroflax.deepspeed_settings import AUTO, Settings
+from zeroflax.deepspeed_settings import Settings
 
 
-def read_batch(ds: dict, settings: Settings, base: Config | None, data_size: int, notes: list) -> None:
+def read_batch(ds: dict, settings: Settings, data_size: int, notes: list) -> None:
     """DeepSpeed's rule (runtime/config.py, _set_batch_related_parameters): any two of train_batch_size,
     train_micro_batch_size_per_gpu, gradient_accumulation_steps give the third; train_batch_size alone means
-    no accumulation; micro alone means train = micro x world; then train == micro x accumulation x world."""
+    no accumulation; micro alone means train = micro x world; then train == micro x accumulation x world.
+    "auto" and a JSON without batch sizes were resolved before (deepspeed_auto.py); a key the JSON leaves
+    out takes gin's binding, if any, before the rule derives it."""
     names = {"train_batch_size": "Config.train_batch_size", "train_micro_batch_size_per_gpu": "Config.micro_batch_size",
              "gradient_accumulation_steps": "Config.grad_accum_steps"}
-    base_values = {"train_micro_batch_size_per_gpu": base.micro_batch_size if base else None,
-                   "gradient_accumulation_steps": base.grad_accum_steps if base else None}
     given: dict[str, int | None] = {}
     written: dict[str, bool] = {}
     for key, name in names.items():
         value = ds.get(key)
-        written[key] = value is not None and value != AUTO
-        if value == AUTO or value is None:
-            # "auto" (or absent): gin's binding, else for the per-device keys the base Config (Hugging Face's
-            # per_device_train_batch_size / gradient_accumulation_steps role; only for "auto"), else derived.
+        written[key] = value is not None
+        if value is None:
             value = settings.bound.get(name)
-            if value is None and ds.get(key) == AUTO:
-                value = base_values.get(key)
             if value is not None:
-                notes.append(f"{key}: {'auto' if ds.get(key) == AUTO else 'absent'}, {value} from "
-                             f"{'gin' if name in settings.bound else 'the base Config'}")
+                notes.append(f"{key}: absent, {value} from gin's {name}")
         else:
             value = as_int(value, key, 1)
         given[key] = value
@@ -51,15 +46,16 @@ def read_batch(ds: dict, settings: Settings, base: Config | None, data_size: int
         accum, micro = 1, train // n
     elif micro is not None:
         train, accum = micro * n, 1
-    else:
-        raise ConfigError("train_batch_size", "neither train_batch_size nor train_micro_batch_size_per_gpu is "
-                          "given (or resolvable from 'auto')", "write train_micro_batch_size_per_gpu, or pass "
-                          "base=Config(micro_batch_size=...) to resolve 'auto'")
-    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
-        if value < 1:
-            raise ConfigError(key, f"derives to {value}: train_batch_size {train} does not split over {n} "
-                              "data-parallel devices", "pass world_size= (the world size the JSON was written for), "
-                              "or write the per-device keys")
+    else:  # unreachable from from_deepspeed, which fills the micro-batch when both are absent
+        raise ConfigError("train_batch_size", "neither train_batch_size nor train_micro_batch_size_per_gpu is given",
+                          "write train_micro_batch_size_per_gpu")
+    if micro < 1 or accum < 1:
+        shown = " x ".join(f"{k} {given[k]}" for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+                           if written[k])
+        raise ConfigError("train_batch_size", f"{train} is less than {n} data-parallel devices"
+                          + (f" x {shown}" if shown else "") + f": each device would get less than one example",
+                          f"pass world_size= (the number of GPUs the JSON was written for, at most {train}), "
+                          "or write train_micro_batch_size_per_gpu")
     if train != micro * accum * n:
         raise ConfigError("train_batch_size", f"{train} != train_micro_batch_size_per_gpu {micro} x "
                           f"gradient_accumulation_steps {accum} x {n} data-parallel devices",
@@ -68,19 +64,15 @@ def read_batch(ds: dict, settings: Settings, base: Config | None, data_size: int
         settings.set(names[key], value, key, written[key])
 
 
-def read_clipping(ds: dict, settings: Settings, base: Config | None, notes: list) -> None:
+def read_clipping(ds: dict, settings: Settings, notes: list) -> None:
     value = ds.get("gradient_clipping", None)
-    if value == AUTO:
-        resolved = settings.bound.get("Config.grad_clip", base.grad_clip if base else None)
-        if resolved is None:
-            raise ConfigError("gradient_clipping", "'auto' needs a value from somewhere",
-                              "write a number (0 disables clipping), or pass base=Config(grad_clip=...)")
-        notes.append(f"gradient_clipping: 'auto' resolved to {resolved}")
-        settings.set("Config.grad_clip", resolved, "gradient_clipping", written=False)
-    elif value is None:  # DeepSpeed clips at 1.0 unless told otherwise (GRADIENT_CLIPPING_DEFAULT)
-        settings.set("Config.grad_clip", 1.0, "gradient_clipping", written=False)
-    else:
-        settings.set("Config.grad_clip", as_number(value, "gradient_clipping"), "gradient_clipping")
+    if value is None:  # DeepSpeed clips at 1.0 unless told otherwise (GRADIENT_CLIPPING_DEFAULT)
+        clip = settings.set("Config.grad_clip", 1.0, "gradient_clipping", written=False)
+        if "Config.grad_clip" not in settings.bound:
+            notes.append("gradient_clipping: absent, so 1.0, DeepSpeed's default since 0.19.3 (before, no clipping: "
+                         "write 0 for that)")
+        return clip
+    settings.set("Config.grad_clip", as_number(value, "gradient_clipping"), "gradient_clipping")
 
 
 def read_remat(ds: dict, settings: Settings, notes: list) -> str | None:

@@ -1,7 +1,7 @@
 """DeepSpeed's `scheduler` block -> the learning rate as a function of the update count.
 
-WarmupLR, WarmupDecayLR, WarmupCosineLR and LRRangeTest map to zeroflax.optim.schedules; "auto" resolves
-from from_deepspeed's keywords (learning_rate, warmup_steps, total_steps) by Hugging Face's rule. Since
+WarmupLR, WarmupDecayLR, WarmupCosineLR and LRRangeTest map to zeroflax.optim.schedules ("auto" was
+resolved before, deepspeed_auto.py; total_steps= only adds a note when the JSON's length differs). Since
 WarmupLR defaults to, and WarmupCosineLR scales, the optimizer's lr (the optimizer block's, else
 learning_rate=), `read_scheduler` returns a factory: lr -> schedule.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 from zeroflax import deepspeed_keys as keys
 from zeroflax.config import ConfigError
 from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_block, check_params
-from zeroflax.deepspeed_settings import AUTO
 from zeroflax.optim import schedules
 
 
@@ -33,21 +32,7 @@ def read_scheduler(ds: dict, kw: dict, notes: list):
     takes = keys.SCHEDULER_PARAMS[kind]
     params = as_block(block.get("params", {}), "scheduler.params")
     check_params(params, "scheduler.params", takes, {}, notes, f"scheduler {kind!r}")
-    resolve = {"warmup_min_lr": ("0 (Hugging Face's rule)", 0.0), "warmup_max_lr": ("learning_rate=", kw["learning_rate"]),
-               "warmup_num_steps": ("warmup_steps=", kw["warmup_steps"]),
-               "total_num_steps": ("total_steps=", kw["total_steps"])}
-    values = {}
-    for key, default in takes.items():
-        path = f"scheduler.params.{key}"
-        value = params.get(key, default)
-        if value == AUTO:
-            how, resolved = resolve.get(key, (None, None))
-            if resolved is None:
-                raise ConfigError(path, "'auto' has nothing to resolve it",
-                                  f"write a value, or pass {how}" if how else "write a value")
-            value = resolved
-            notes.append(f"{path}: 'auto' resolved to {value!r} ({how})")
-        values[key] = value
+    values = {key: params.get(key, default) for key, default in takes.items()}
     path = "scheduler.params."
     if values.pop("last_batch_iteration") != -1:
         raise ConfigError(path + "last_batch_iteration", "refused: a zeroflax run resumes its schedule from the "

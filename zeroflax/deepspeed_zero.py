@@ -2,18 +2,17 @@
 
 stage -> Config.zero_stage; ZeRO-3's sizes (stage3_param_persistence_threshold, stage3_prefetch_bucket_size,
 stage3_max_live_parameters, stage3_max_reuse_distance, or their names without stage3_) -> the Config fields
-of those names ("auto": Hugging Face's rule from hidden_size for the first two, DeepSpeed's default for the
-others); zero_quantized_weights (ZeRO++ qwZ) -> Config.quantized_weights; offload_optimizer and
+of those names ("auto" was resolved before, deepspeed_auto.py); zero_quantized_weights (ZeRO++ qwZ) -> Config.quantized_weights; offload_optimizer and
 offload_param (and the old cpu_offload, cpu_offload_param) -> OffloadOptimizerConfig and OffloadParamConfig.
 """
 from __future__ import annotations
 
 from zeroflax.config import ConfigError, OffloadOptimizerConfig, OffloadParamConfig
 from zeroflax.deepspeed_keys import as_block, as_bool, as_int, check_block
-from zeroflax.deepspeed_settings import AUTO, Settings
+from zeroflax.deepspeed_settings import Settings
 
 
-def read_zero(ds: dict, settings: Settings, hidden_size: int | None, notes: list) -> int:
+def read_zero(ds: dict, settings: Settings, notes: list) -> int:
     zero = ds.get("zero_optimization", {})
     if isinstance(zero, bool):  # DeepSpeed's old form
         notes.append("zero_optimization: true/false is DeepSpeed's old form of stage 1/0")
@@ -21,34 +20,24 @@ def read_zero(ds: dict, settings: Settings, hidden_size: int | None, notes: list
     zero = as_block(zero, "zero_optimization")
     check_block(zero, "zero_optimization", notes)
 
-    def read(path, value, read_fn, default, auto_value=None):
-        if value == AUTO:
-            value = default if auto_value is None else auto_value
-            notes.append(f"{path}: 'auto' resolved to {value}")
-            return value, False
-        return read_fn(value, path), True
-
-    stage, written = read("zero_optimization.stage", zero.get("stage", 0),
-                          lambda v, p: as_int(v, p, 0, integral_float=True), 0)
-    written = written and "stage" in zero
+    read_int = lambda v, p: as_int(v, p, 0, integral_float=True)
+    stage = read_int(zero.get("stage", 0), "zero_optimization.stage")
     if stage > 3:
         raise ConfigError("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage}")
-    stage = settings.set("Config.zero_stage", stage, "zero_optimization.stage", written)
+    stage = settings.set("Config.zero_stage", stage, "zero_optimization.stage", "stage" in zero)
 
-    # ZeRO-3's sizes: stage3_ names (DeepSpeed's aliases) or the field names; "auto" by Hugging Face's rule.
-    h = hidden_size
-    sizes = [("param_persistence_threshold", "Config.persistence_threshold", 100_000, 10 * h if h else None),
-             ("prefetch_bucket_size", "Config.prefetch_bucket_size", 50_000_000, int(0.9 * h * h) if h else None),
-             ("max_live_parameters", "Config.max_live_parameters", 1_000_000_000, None),
-             ("max_reuse_distance", "Config.max_reuse_distance", 1_000_000_000, None)]
-    for field, name, default, auto in sizes:
+    # ZeRO-3's sizes: stage3_ names (DeepSpeed's aliases) or the field names.
+    sizes = [("param_persistence_threshold", "Config.persistence_threshold", 100_000),
+             ("prefetch_bucket_size", "Config.prefetch_bucket_size", 50_000_000),
+             ("max_live_parameters", "Config.max_live_parameters", 1_000_000_000),
+             ("max_reuse_distance", "Config.max_reuse_distance", 1_000_000_000)]
+    for field, name, default in sizes:
         given = [k for k in (f"stage3_{field}", field) if k in zero]
         if len(given) == 2:
             raise ConfigError(f"zero_optimization.{field}", f"given twice, also as stage3_{field}", "keep one")
         path = f"zero_optimization.{given[0] if given else 'stage3_' + field}"
-        value, written = read(path, zero.get(given[0], default) if given else default,
-                              lambda v, p: as_int(v, p, 0, integral_float=True), default, auto)
-        settings.set(name, value, path, written and bool(given))
+        value = read_int(zero[given[0]], path) if given else default
+        settings.set(name, value, path, bool(given))
 
     quantized = zero.get("zero_quantized_weights", False)
     settings.set("Config.quantized_weights", as_bool(quantized, "zero_optimization.zero_quantized_weights"),
@@ -68,6 +57,12 @@ def read_zero(ds: dict, settings: Settings, hidden_size: int | None, notes: list
         block = as_block(block if block is not None else {}, prefix)
         check_block(block, prefix, notes)
         device = block.get("device", "none")
+        if kind == "offload_param" and stage < 3 and device != "none":
+            # DeepSpeed hands offload_param to its stage-3 objects only; below stage 3 it does nothing.
+            notes.append(f"{prefix}: ignored at stage {stage}, as DeepSpeed ignores it below stage 3 (the "
+                         "parameters stay on the device)")
+            settings.set(f"{cls.__name__}.device", "none", f"{prefix}.device", False)
+            continue
         if device == "nvme":
             raise ConfigError(f"{prefix}.device", "'nvme' (ZeRO-Infinity) is refused: JAX has no NVMe memory kind",
                               "use 'cpu'")

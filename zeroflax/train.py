@@ -125,12 +125,20 @@ class DeepSpeedJob(NamedTuple):
     schedule: Any
 
 
+# How the notes of `zeroflax train --deepspeed_config` name the source of an "auto" that TrainConfig fills.
+KEYWORD_LABELS = {"learning_rate": "TrainConfig.learning_rate", "weight_decay": "TrainConfig.weight_decay",
+                  "betas": "the main job's Adam betas", "eps": "the main job's Adam eps",
+                  "warmup_steps": "TrainConfig.warmup_steps", "total_steps": "TrainConfig.steps",
+                  "hidden_size": "GPTConfig.d_model"}
+
+
 def deepspeed_job(path: str, tc: TrainConfig, config: Config, model_config: GPTConfig,
                   bound: dict | None = None) -> DeepSpeedJob:
     """The main job with a DeepSpeed JSON (`zeroflax train --deepspeed_config`), docs/from_deepspeed.md.
 
-    `config` (gin's Config) keeps what the JSON does not decide (mesh, seed, pipeline, ...) and fills "auto";
-    `bound` (gin's explicit bindings) fills keys the JSON leaves out and must agree with keys it writes.
+    `config` (gin's Config) keeps what the JSON does not decide (mesh, seed, pipeline, ...); `bound` (gin's
+    explicit bindings) fills keys the JSON leaves out or sets to "auto" and must agree with keys it writes;
+    an "auto" neither gin nor TrainConfig fills takes Hugging Face's default (deepspeed_auto.py), not Config's.
     TrainConfig plays Hugging Face's TrainingArguments: its learning_rate, weight_decay, warmup_steps and steps
     are the values of "auto", and its optimizer is the client optimizer when the JSON has no optimizer block
     (then with the JSON's schedule, or without a scheduler block its own warm-up and cosine decay).
@@ -146,7 +154,8 @@ def deepspeed_job(path: str, tc: TrainConfig, config: Config, model_config: GPTC
     imported = from_deepspeed(
         ds, base=config, bound=bound, learning_rate=tc.learning_rate, weight_decay=tc.weight_decay, betas=ADAM_BETAS,
         eps=ADAM_EPS, warmup_steps=tc.warmup_steps, total_steps=tc.steps, hidden_size=model_config.d_model,
-        default_optimizer=lambda schedule: make_optimizer(tc, schedule))
+        default_optimizer=lambda schedule: make_optimizer(tc, schedule), base_fills_auto=False,
+        keyword_labels=KEYWORD_LABELS)
     schedule = imported.schedule if imported.schedule is not None else make_schedule(tc)
     if jax.process_index() == 0:
         print(f"--deepspeed_config {path}:")
