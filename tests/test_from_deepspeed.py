@@ -250,9 +250,43 @@ def test_moot_keys_become_notes_and_docs_show_the_tables():
 
 def test_auto_resolution_and_gin_bindings():
     hf = load("hf_tensor_parallel.json")
-    with pytest.raises(ConfigError) as error:  # nothing to resolve "auto" from
-        from_deepspeed(hf, world_size=2, base=zeroflax.Config(precision="bf16"))
-    assert error.value.key == "optimizer.params.lr"
+    # Only the run's length is unknown without keywords: one error, naming it (and every other such key).
+    with pytest.raises(ConfigError) as error:
+        from_deepspeed(hf, world_size=2)
+    assert error.value.key == "scheduler.params.total_num_steps" and "total_steps=" in str(error.value)
+    two = {**hf, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": "auto", "lr": "auto"}}}
+    with pytest.raises(ConfigError, match=r"total_num_steps \(.*; optimizer\.params\.freeze_step \(nothing fills it"):
+        from_deepspeed(two, world_size=2)
+    # Everything else takes Hugging Face's TrainingArguments defaults, listed in one note with its source.
+    imported = from_deepspeed(hf, world_size=2, total_steps=100)
+    config, hyper = imported.config, imported.hyperparameters
+    assert (config.micro_batch_size, config.grad_accum_steps, config.train_batch_size) == (8, 1, 16)
+    assert (config.grad_clip, config.precision) == (1.0, "fp32")
+    assert (hyper["lr"], hyper["b1"], hyper["b2"], hyper["eps"], hyper["weight_decay"]) == (5e-5, 0.9, 0.999, 1e-8, 0.0)
+    assert float(imported.schedule(1)) == 0.0 and np.isclose(float(imported.schedule(2)), 5e-5, rtol=1e-6)  # 2-step warm-up
+    (note,) = [n for n in imported.notes if n.startswith("auto:")]
+    assert note.startswith("auto: 13 values filled: ")
+    for piece in ("train_micro_batch_size_per_gpu = 8 (Hugging Face's default TrainingArguments.per_device_train",
+                  "gradient_clipping = 1.0 (Hugging Face's default TrainingArguments.max_grad_norm)",
+                  "train_batch_size = 16 (micro-batch x accumulation x 2", "scheduler.params.total_num_steps = 100 "
+                  "(total_steps=)", "optimizer.params.betas = [0.9, 0.999] (Hugging Face's default"):
+        assert piece in note, piece
+    # gin first, then the keywords, then the base Config; the CLI's base fills nothing (base_fills_auto=False).
+    imported = from_deepspeed(hf, world_size=2, total_steps=100, learning_rate=1e-3, base=zeroflax.Config(
+        grad_clip=0.5, micro_batch_size=2), bound={"Config.micro_batch_size": 4})
+    assert (imported.config.micro_batch_size, imported.config.grad_clip, imported.hyperparameters["lr"]) == (4, 0.5, 1e-3)
+    assert "train_micro_batch_size_per_gpu = 4 (gin's Config.micro_batch_size)" in imported.notes[0]
+    unused = from_deepspeed(hf, world_size=2, total_steps=100, base=zeroflax.Config(grad_clip=0.5), base_fills_auto=False)
+    assert unused.config.grad_clip == 1.0
+    # No batch key at all (transformers' own ZeRO-3 test config; accelerate fills it): as for "auto".
+    template = from_deepspeed(load("autotuning_template_zero3.json"), world_size=8)
+    assert (template.config.micro_batch_size, template.config.grad_accum_steps, template.config.train_batch_size) == (
+        8, 1, 64)
+    assert "absent from the JSON" in template.notes[0]
+    assert from_deepspeed({"gradient_accumulation_steps": 2}, world_size=8).config.train_batch_size == 128
+    # A missing gradient_clipping is DeepSpeed's 1.0, said in a note (older DeepSpeed did not clip).
+    assert any(n.startswith("gradient_clipping: absent, so 1.0") for n in template.notes)
+
     # Gin's bindings fill what the JSON leaves out (the ZeRO-3 sizes here) and may not contradict what it writes.
     ds = load("torch_compile_z3.json")
     bound = {"Config.persistence_threshold": 0, "Config.max_live_parameters": 0}
@@ -284,9 +318,7 @@ BAD = [  # (JSON path of the error, config, keywords)
     ("bf16.enabled", {"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}),
     ("train_batch_size", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 3,
                           "gradient_accumulation_steps": 1}, {}),
-    ("train_micro_batch_size_per_gpu", load("megatron_gpt2_func_scheduler.json"), {}),  # 4 over 8 devices
-    ("train_batch_size", {"gradient_accumulation_steps": 2}, {}),
-    ("train_batch_size", load("autotuning_template_zero3.json"), {}),  # a template without batch keys
+    ("train_batch_size", load("megatron_gpt2_func_scheduler.json"), {}),  # 4 over 8 devices
     ("optimizer.type", load("bing_bert_lamb_bsz64k_seq128.json"), {}),
     ("optimizer.type", {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, {}),
     ("scheduler.type", {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {
@@ -302,7 +334,11 @@ BAD = [  # (JSON path of the error, config, keywords)
     ("scheduler.params.warmup_type", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
         "warmup_max_lr": 1e-3, "warmup_type": "exp"}}}, {}),
     ("scheduler.params.warmup_max_lr", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {}}}, {}),
-    ("torch_autocast", load("bf16_master_weight_full.json"), {}),
+    ("bf16.bf16_master_weights_and_grads", load("bf16_master_weight_full.json"), {}),  # its autocast maps
+    ("torch_autocast.dtype", {"train_batch_size": 8, "torch_autocast": {"enabled": True}}, {}),
+    ("torch_autocast.dtype", {"train_batch_size": 8, "fp16": {"enabled": True},
+                              "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, {}),
+    ("data_types.param_dtype", {"train_batch_size": 8, "data_types": {"param_dtype": "bf16"}}, {}),
     ("fp16.enabled", load("bing_bert_squad_onebitadam_bsz96_nccl.json"), {}),
     ("zero_optimization.zero_quantized_gradients", {"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "zero_quantized_gradients": True}}, {}),
@@ -322,8 +358,10 @@ BAD = [  # (JSON path of the error, config, keywords)
         "warmup_max_lr": [1e-3, 2e-3]}}}, {}),
     ("scheduler.params.last_batch_iteration", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
         "warmup_max_lr": 1e-3, "last_batch_iteration": 99}}}, {}),
-    ("optimizer.params.lr", load("hf_tensor_parallel.json"), dict(world_size=2, base=zeroflax.Config(
+    ("scheduler.params.total_num_steps", load("hf_tensor_parallel.json"), dict(world_size=2, base=zeroflax.Config(
         precision="bf16"))),
+    ("optimizer.params.freeze_step", {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
+        "freeze_step": "auto"}}}, {}),
 ]
 
 
