@@ -62,7 +62,8 @@ MAPPED: dict[str, str] = {
     "zero_optimization.cpu_offload": "deprecated: true = offload_optimizer.device 'cpu'",
     "zero_optimization.cpu_offload_param": "deprecated: true = offload_param.device 'cpu'",
     "optimizer": "block: the returned optax optimizer (table 'Optimizers')",
-    "optimizer.type": "Adam, AdamW -> optax Adam(W) with DeepSpeed's rules; OneBitAdam -> zeroflax.optim.onebit_adam",
+    "optimizer.type": "Adam, AdamW -> optax Adam(W) with DeepSpeed's rules; Lamb -> zeroflax.optim.deepspeed_lamb; "
+                      "OneBitAdam -> zeroflax.optim.onebit_adam",
     "optimizer.params": "the optimizer's hyper-parameters (table 'Optimizers')",
     "scheduler": "block: the returned schedule (table 'Schedulers')",
     "scheduler.type": "WarmupLR, WarmupDecayLR, WarmupCosineLR, LRRangeTest -> zeroflax.optim.schedules",
@@ -248,6 +249,8 @@ ONEBIT_PARAMS = {"lr": 1e-3, "freeze_step": 100000, "betas": [0.9, 0.999], "eps"
 ONEBIT_MOOT = {"bias_correction": "DeepSpeed's 1-bit Adam never applies bias correction, whatever this says",
                "eps_inside_sqrt": "DeepSpeed's 1-bit Adam ignores it: eps is added outside the square root",
                "cuda_aware": "collectives are XLA's", "comm_backend_name": "collectives are XLA's"}
+LAMB_PARAMS = {"lr": 1e-3, "bias_correction": True, "betas": [0.9, 0.999], "eps": 1e-8, "eps_inside_sqrt": False,
+               "weight_decay": 0.0, "max_coeff": 10.0, "min_coeff": 0.01, "amsgrad": False}
 SCHEDULER_PARAMS = {
     "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log",
                  "last_batch_iteration": -1},
@@ -279,7 +282,6 @@ SPARSE_MODES = {
                                                     "global_block_end_indices": None, **_ATT}),
 }
 OPTIMIZERS_REFUSED = {
-    "lamb": "DeepSpeed's FusedLamb clips its trust ratio to [min_coeff, max_coeff]; not built",
     "onebitlamb": "1-bit LAMB is not built",
     "zerooneadam": "0/1 Adam is not built",
     "adagrad": "torch's Adagrad adds eps outside the square root and starts its accumulator at 0; not built",
@@ -325,6 +327,9 @@ def render_markdown() -> str:
             "false for `Adam`; no bias correction if `bias_correction` is false | "
             + ", ".join(f"`{k}` {v!r}" for k, v in ADAM_PARAMS.items()) + "; moot: "
             + ", ".join(f"`{k}`" for k in ADAM_MOOT) + " |",
+            "| `Lamb` | `zeroflax.optim.deepspeed_lamb`: FusedLamb's arithmetic (trust ratio of the uncorrected "
+            "direction per leaf, clipped to [min_coeff, max_coeff]; bias correction as one scalar on the step) | "
+            + ", ".join(f"`{k}` {v!r}" for k, v in LAMB_PARAMS.items()) + " |",
             "| `OneBitAdam`, `OnebitAdam` | `zeroflax.optim.onebit_adam` | "
             + ", ".join(f"`{k}` {v!r}" for k, v in ONEBIT_PARAMS.items()) + "; moot: "
             + ", ".join(f"`{k}`" for k in ONEBIT_MOOT) + " |"]

@@ -2,7 +2,8 @@
 
 Adam and AdamW become `deepspeed_adam` (the arithmetic of DeepSpeed's FusedAdam, CPU Adam and torch
 Adam/AdamW: eps outside the square root, adam_w_mode, bias_correction, torch_adam) under
-`optax.inject_hyperparams`; OneBitAdam becomes zeroflax.optim.onebit_adam. `read_optimizer` reads and checks
+`optax.inject_hyperparams`; Lamb becomes `deepspeed_lamb` (FusedLamb's arithmetic, zeroflax/optim/lamb.py), and
+OneBitAdam zeroflax.optim.onebit_adam. `read_optimizer` reads and checks
 the block ("auto" was resolved before, deepspeed_auto.py); `build_optimizer` builds the optimizer once the
 learning-rate schedule (deepspeed_scheduler.py) is known.
 """
@@ -17,6 +18,7 @@ import optax
 from zeroflax import deepspeed_keys as keys
 from zeroflax.config import ConfigError
 from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_block, check_params, is_number
+from zeroflax.optim.lamb import deepspeed_lamb
 from zeroflax.optim.onebit import onebit_adam
 
 
@@ -62,6 +64,8 @@ def _optimizer_params(ds: dict, kind: str, notes: list) -> dict:
     params = as_block(ds["optimizer"].get("params", {}), "optimizer.params")
     if kind == "onebitadam":
         takes, moot = keys.ONEBIT_PARAMS, keys.ONEBIT_MOOT
+    elif kind == "lamb":
+        takes, moot = keys.LAMB_PARAMS, {}
     else:
         takes, moot = keys.ADAM_PARAMS, keys.ADAM_MOOT
     if "max_grad_norm" in params:  # DeepSpeed raises too (_configure_basic_optimizer)
@@ -71,7 +75,7 @@ def _optimizer_params(ds: dict, kind: str, notes: list) -> dict:
         if key in params and params[key] is refused:
             raise ConfigError(f"optimizer.params.{key}", f"refused: {key} = {refused}", f"set it {not refused}")
     out = {key: params.get(key, default) for key, default in takes.items()}
-    if kind != "onebitadam" and out["torch_adam"] is True and "weight_decay" not in params:
+    if kind in ("adam", "adamw") and out["torch_adam"] is True and "weight_decay" not in params:
         decoupled = kind == "adamw" or out["adam_w_mode"] is not False
         out["weight_decay"] = 0.01 if decoupled else 0.0  # torch.optim.AdamW's default weight decay is 0.01
     return out
@@ -91,10 +95,10 @@ def read_optimizer(ds: dict, notes: list) -> tuple[str, dict] | None:
     kind = name.lower()  # DeepSpeed lower-cases the names of its own optimizers
     if kind in keys.OPTIMIZERS_REFUSED:
         raise ConfigError("optimizer.type", f"{name!r} is refused: {keys.OPTIMIZERS_REFUSED[kind]}",
-                          "use Adam, AdamW or OneBitAdam, or pass your own optax optimizer (drop the block)")
-    if kind not in ("adam", "adamw", "onebitadam"):
+                          "use Adam, AdamW, Lamb or OneBitAdam, or pass your own optax optimizer (drop the block)")
+    if kind not in ("adam", "adamw", "lamb", "onebitadam"):
         raise ConfigError("optimizer.type", f"{name!r} is not mapped (DeepSpeed would build torch.optim.{name})",
-                          "use Adam, AdamW or OneBitAdam, or pass your own optax optimizer (drop the block)")
+                          "use Adam, AdamW, Lamb or OneBitAdam, or pass your own optax optimizer (drop the block)")
     p = _optimizer_params(ds, kind, notes)
     path = "optimizer.params."
     p["lr"] = as_number(p["lr"], path + "lr")
@@ -106,6 +110,16 @@ def read_optimizer(ds: dict, notes: list) -> tuple[str, dict] | None:
                           "it too)", "set it false")
     if kind == "onebitadam":
         p["freeze_step"] = as_int(p["freeze_step"], path + "freeze_step", 0)
+    elif kind == "lamb":
+        for key in ("bias_correction", "eps_inside_sqrt"):
+            p[key] = as_bool(p[key], path + key)
+        p["max_coeff"], p["min_coeff"] = (as_number(p[k], path + k) for k in ("max_coeff", "min_coeff"))
+        if p["min_coeff"] > p["max_coeff"]:
+            raise ConfigError(path + "min_coeff", f"{p['min_coeff']} > max_coeff {p['max_coeff']}", "swap them")
+        fp16 = ds.get("fp16", {})
+        if isinstance(fp16, dict) and fp16.get("loss_scale", 0) not in (0, 0.0):  # DeepSpeed asserts it too
+            raise ConfigError("fp16.loss_scale", "a static loss scale with Lamb: DeepSpeed requires the dynamic one",
+                              "use 0 (dynamic)")
     else:
         for key in ("torch_adam", "adam_w_mode", "bias_correction"):
             p[key] = as_bool(p[key], path + key)
@@ -145,6 +159,19 @@ def build_optimizer(spec, schedule, stage: int, precision: str, default_optimize
                                 freeze_step=p["freeze_step"])
         return optimizer, dict(type="OneBitAdam", lr=p["lr"], b1=b1, b2=b2, eps=p["eps"],
                                weight_decay=p["weight_decay"], freeze_step=p["freeze_step"])
+    if kind == "lamb":
+        notes.append("optimizer.type: Lamb: FusedLamb's trust ratio on each whole leaf, partitioned or not (DeepSpeed's "
+                     "ZeRO measures it on each rank's flat partition, and wants zero_allow_untested_optimizer)"
+                     + ("; DeepSpeed's fp16 wrapper also takes one hidden step with zero gradients before training "
+                        "(bias correction starts at t = 2; weight decay shrinks the weights once), zeroflax does not"
+                        if precision == "fp16" else ""))
+        optimizer = optax.inject_hyperparams(deepspeed_lamb, static_args=("bias_correction", "eps_inside_sqrt"))(
+            learning_rate=learning_rate, b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"],
+            bias_correction=p["bias_correction"], eps_inside_sqrt=p["eps_inside_sqrt"], max_coeff=p["max_coeff"],
+            min_coeff=p["min_coeff"])
+        return optimizer, dict(type="Lamb", lr=p["lr"], b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"],
+                               bias_correction=p["bias_correction"], eps_inside_sqrt=p["eps_inside_sqrt"],
+                               max_coeff=p["max_coeff"], min_coeff=p["min_coeff"])
     # DeepSpeed: type "Adam" is AdamW (decoupled weight decay) unless adam_w_mode is false; "AdamW" always.
     decoupled = kind == "adamw" or p["adam_w_mode"]
     optimizer = optax.inject_hyperparams(deepspeed_adam, static_args=("decoupled", "bias_correction"))(
