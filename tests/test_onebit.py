@@ -39,12 +39,14 @@ def problem(steps, seed=0):
     return params, grads
 
 
-def engine_for(stage, grad_clip=0.0, devices=None, local_clip=False, ordered=False, **hyper):
+def engine_for(stage, grad_clip=0.0, devices=None, local_clip=False, ordered=False, precision="fp32", **hyper):
     hp = {**HYPER, **hyper}
     optimizer = onebit_adam(hp["lr"], hp["b1"], hp["b2"], hp["eps"], hp["weight_decay"], hp["freeze_step"],
                             local_clip=local_clip)
+    # fp16: DeepSpeed's FP16_Optimizer, which wraps OnebitAdam, halves the scale on every overflow (no hysteresis)
     config = zeroflax.Config(zero_stage=stage, micro_batch_size=1, persistence_threshold=THRESHOLD, grad_clip=grad_clip,
-                             remat="none", deterministic_reductions=ordered)
+                             remat="none", deterministic_reductions=ordered, precision=precision,
+                             loss_scale=zeroflax.LossScaleConfig(hysteresis=1))
     return zeroflax.initialize(linear_loss, problem(0)[0], optimizer, config, devices=devices)
 
 
@@ -86,6 +88,39 @@ def test_matches_deepspeed_workers(stage, grad_clip, local_clip):
                                sim_state["worker_errors"][0], atol=1e-5, rtol=0)
     if grad_clip:  # the clip acted: the mean of the local norms, or the sketched mean norm, was above it
         assert float(metrics["grad_norm"]) > grad_clip
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_skips_an_overflowing_step_as_deepspeed_does(stage):
+    """fp16 with the dynamic loss scale (2^16): a step whose gradient overflows on one device changes nothing
+    (parameters, momentum, variance, error buffers, update count) and halves the scale, as DeepSpeed's
+    FP16_Optimizer skips OnebitAdam.step(); freeze_step counts the updates applied. Overflows at step 1 (warm-up)
+    and step 5 (the first compressed step: step 6 is the first again); the other ten steps equal the simulation
+    of DeepSpeed's workers given those ten. The gradients are multiples of 2^-8 below 8, exact in fp16, and
+    unscaled before the exchange, so fp16's compute changes none of them."""
+    steps, bad = 12, (1, 5)
+    params, grads = problem(steps)
+    grads = [{k: (np.round(v * 256) / 256).astype(np.float32) for k, v in g.items()} for g in grads]
+    for t in bad:
+        grads[t]["b"][3, 0, 0] = np.inf  # device 3's gradient
+    engine, state = engine_for(stage, precision="fp16")
+    phases, scales = [], []
+    for t in range(steps):
+        phases.append(engine.clock.phase(state))
+        before = jax.device_get((state.params, state.opt_state, state.sync_state))
+        state, metrics = engine.step(state, grads[t])
+        scales.append(float(metrics["loss_scale"]))
+        assert bool(metrics["skipped"]) == (t in bad)
+        if t in bad:  # nothing of the optimizer's moved, the sync's error buffers included
+            after = jax.device_get((state.params, state.opt_state, state.sync_state))
+            for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+                np.testing.assert_array_equal(a, b)
+    assert phases == ["warmup"] * 5 + (["first"] * 2 if stage else ["compressed"] * 2) + ["compressed"] * 5
+    assert scales == [2.0 ** 16] * 2 + [2.0 ** 15] * 4 + [2.0 ** 14] * 6  # the scale each step ran with
+    good = [g for t, g in enumerate(grads) if t not in bad]
+    expected, _, _ = simulated(engine, params, good, len(good))
+    for k in SHAPES:
+        np.testing.assert_allclose(np.asarray(engine.model_params(state)[k]), expected[k], atol=1e-5, rtol=0)
 
 
 def test_the_norm_sketch_is_the_simulations_and_estimates_the_norm():
@@ -226,7 +261,6 @@ def test_checkpoints_keep_the_error_buffers_and_reset_them_on_another_device_cou
 
 @pytest.mark.parametrize("change,key", [
     (dict(zero_stage=3, remat="full"), "Config.zero_stage"),
-    (dict(precision="fp16"), "Config.precision"),
     (dict(mesh=zeroflax.MeshConfig(axes={"data": 4, "tensor": 2})), "MeshConfig.axes['tensor']"),
     (dict(offload_optimizer=zeroflax.OffloadOptimizerConfig(device="cpu")), "OffloadOptimizerConfig.device"),
 ])

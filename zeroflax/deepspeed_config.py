@@ -40,7 +40,7 @@ from zeroflax.axes import DATA_AXIS
 from zeroflax.config import Config, ConfigError, MeshConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zeroflax.deepspeed_auto import AutoSources, resolve_auto
 from zeroflax.deepspeed_keys import as_int, check_block
-from zeroflax.deepspeed_optimizer import build_optimizer, read_optimizer
+from zeroflax.deepspeed_optimizer import build_optimizer, fp16_loss_scaling, read_optimizer
 from zeroflax.deepspeed_precision import read_autocast, read_data_types, read_precision
 from zeroflax.deepspeed_runtime import read_batch, read_clipping, read_remat, read_tensor_parallel
 from zeroflax.deepspeed_scheduler import read_scheduler
@@ -225,6 +225,7 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
     sparse = read_sparse_attention(ds, notes)
 
     spec = read_optimizer(ds, notes)
+    fp16_loss_scaling(spec, precision, settings, notes)
     build_schedule = read_scheduler(ds, kw, notes)
     # The lr a scheduler scales (WarmupCosineLR) or defaults to (WarmupLR): the optimizer block's, else the
     # client optimizer's (learning_rate=).

@@ -129,6 +129,18 @@ def read_optimizer(ds: dict, notes: list) -> tuple[str, dict] | None:
     return kind, p
 
 
+def fp16_loss_scaling(spec, precision: str, settings, notes: list) -> None:
+    """DeepSpeed wraps OnebitAdam under fp16 in its FP16_Optimizer (runtime/fp16/fused_optimizer.py), whose
+    dynamic loss scale halves on every overflow: it ignores fp16.hysteresis. zeroflax's scaler does the same
+    with hysteresis 1; an overflowing step is skipped whole, the 1-bit exchange's error buffers included."""
+    if spec is None or spec[0] != "onebitadam" or precision != "fp16":
+        return
+    settings.set("LossScaleConfig.hysteresis", 1, "fp16.hysteresis", written=False)
+    notes.append("fp16 with OneBitAdam: DeepSpeed's FP16_Optimizer halves the loss scale on every overflow "
+                 "(fp16.hysteresis is ignored, as there: hysteresis 1) and skips the step whole; a skipped step does "
+                 "not count towards freeze_step")
+
+
 def build_optimizer(spec, schedule, stage: int, precision: str, default_optimizer, notes: list):
     """(optimizer, hyperparameters). `schedule`: the lr as a function of the count, or None (constant lr)."""
     if spec is None:
@@ -142,9 +154,7 @@ def build_optimizer(spec, schedule, stage: int, precision: str, default_optimize
     b1, b2 = p["betas"]
     if kind == "onebitadam":
         refusals = [(stage == 3, "zero_optimization.stage", "stage 3 never holds the local gradient 1-bit Adam "
-                     "compresses", "use stage 0, 1 or 2"),
-                    (precision == "fp16", "fp16.enabled", "an fp16 overflow would have to roll back every device's "
-                     "error buffers, which is not built", "use bf16 or fp32")]
+                     "compresses", "use stage 0, 1 or 2")]
         for refused, key, why, fix in refusals:
             if refused:
                 raise ConfigError(key, f"refused with OneBitAdam: {why}", fix)

@@ -85,11 +85,13 @@ class Engine:
                                   state.sync_state, sync_phase)
         with jax.named_scope(UPDATE_SCOPE):  # the step's last part, named for the memory explainer
             new = self.update(state, synced, self.clock.of(self.update, phase))
-        new_state = state.replace(step=state.step + 1, params=new.params, opt_state=new.opt_state,
-                                  loss_scale=self.scaler.next(state.loss_scale, new.finite), model_state=model_state,
-                                  sync_state=synced.state, **new.fields)
         # nonfinite: the gradient was NaN or inf; skipped: so its update was not applied (fp16, 'skip').
         skipped = ~new.finite if self.update.skips_nonfinite else jnp.zeros((), bool)
+        # A skipped step changes none of the optimizer's state, the sync's (1-bit Adam's error buffers) included.
+        sync_state = jax.tree.map(lambda new_, old: jnp.where(skipped, old, new_), synced.state, state.sync_state)
+        new_state = state.replace(step=state.step + 1, params=new.params, opt_state=new.opt_state,
+                                  loss_scale=self.scaler.next(state.loss_scale, new.finite), model_state=model_state,
+                                  sync_state=sync_state, **new.fields)
         metrics = {"loss": loss, "grad_norm": new.grad_norm, "loss_scale": state.loss_scale.scale,
                    "skipped": skipped, "nonfinite": ~new.finite}
         if aux is not None:
@@ -108,8 +110,10 @@ class Engine:
             weight = 1.0 / (self.data_size * accum)  # the step's loss: the mean over all data-parallel micro-batches
             grads, loss, aux, model_state = source(self.trace, params, micro, device_rng, scale * weight, model_state,
                                                    sources, functools.partial(self.sync.per_microbatch, phase=sync_phase))
-            grads, sync_out = self.sync.final(grads, sync_in, sync_phase)
-            return self.scaler.unscale(source.after_sync(grads), scale), loss, aux, model_state, sync_out
+            # Unscaled before the sync: a compressed exchange (1-bit Adam) works on the true gradient, as
+            # DeepSpeed's fp16 wrapper unscales before its optimizer exchanges (a power-of-two scale: the same bits).
+            grads, sync_out = self.sync.final(self.scaler.unscale(grads, scale), sync_in, sync_phase)
+            return source.after_sync(grads), loss, aux, model_state, sync_out
 
         in_specs = (plan.data_specs("params"), jax.tree.map(lambda _: P(DATA_AXIS), batch), P(), P(), P(), sync_specs)
         out_specs = (plan.data_specs("grads"), P(), P(), P(), self.sync.output_specs(sync_phase))

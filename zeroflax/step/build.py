@@ -102,10 +102,6 @@ def _onebit_sync(config: Config, plan: ShardingPlan, optimizer, abstract_params,
         (config.zero_stage == 3, "Config.zero_stage", "stage 3 reduce-scatters each layer's gradient inside "
          "the backward pass, so no device ever holds the local gradient whose momentum 1-bit Adam "
          "compresses", "use zero_stage 0, 1 or 2"),
-        (config.precision == "fp16", "Config.precision", "a step skipped on an fp16 overflow would have to "
-         "roll back every device's error buffers, which is not built", "use 'bf16' or 'fp32'"),
-        (config.nonfinite == "skip", "Config.nonfinite", "a skipped step would have to roll back every "
-         "device's error buffers, which is not built", "use 'error'"),
         (plan.offload, "OffloadOptimizerConfig.device", "1-bit Adam with offload is not built",
          "set OffloadOptimizerConfig.device='none'"),
         (pipe_size(mesh) > 1, f"MeshConfig.axes['{PIPE_AXIS}']", "1-bit Adam under a pipeline is not built",
@@ -116,7 +112,8 @@ def _onebit_sync(config: Config, plan: ShardingPlan, optimizer, abstract_params,
     for refused, key, why, fix in refusals:
         if refused:
             raise ConfigError(key, f"refused with zeroflax.optim.onebit_adam: {why}", fix)
-    return make_sync(optimizer, plan.placements, mesh.shape[DATA_AXIS], zero, config.grad_clip)
+    return make_sync(optimizer, plan.placements, mesh.shape[DATA_AXIS], zero, config.grad_clip,
+                     skips=skips_nonfinite(config))
 
 
 def state_shardings(parts: Parts, plan: ShardingPlan, abstract_model_state) -> TrainState:

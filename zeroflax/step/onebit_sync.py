@@ -99,7 +99,7 @@ class LeafSync(NamedTuple):
 
 class SyncState(NamedTuple):
     leaves: Any  # params structure, LeafSync per leaf
-    exchanged_at: jax.Array  # int32: the step whose exchange wrote `bits` (-1: none, the next needs 'first')
+    exchanged_at: jax.Array  # int32: the update count whose exchange wrote `bits` (-1: none, the next needs 'first')
 
 
 # ------------------------------------------------------------------------- the mean gradient's norm
@@ -173,6 +173,7 @@ class OneBitSync:
     layouts: Any  # params structure: Layout per leaf
     zero: Any  # ZeroGradSync
     grad_clip: float = 0.0  # Config.grad_clip: in the compressed phase each device clips its local gradient
+    skips: bool = False  # a step may be skipped (fp16's overflow, Config.nonfinite 'skip'): see `rereads`
     axis: str = DATA_AXIS
     impl: str = "auto"
 
@@ -189,19 +190,29 @@ class OneBitSync:
     def phases(self) -> tuple[str, ...]:
         return (WARMUP, FIRST, COMPRESSED) if self.partitioned else (WARMUP, COMPRESSED)
 
-    def host_view(self, state) -> int:
-        """The step of the state's last compressed exchange (-1: none)."""
-        return int(state.sync_state.exchanged_at)
+    @property
+    def rereads(self) -> bool:
+        """With fp16 (or Config.nonfinite 'skip') a step may be skipped on the device, leaving the update count
+        and the sync state as they were: the clock reads them from every state (a wait for the step before,
+        as DeepSpeed's fp16 wrapper waits for its overflow check)."""
+        return self.skips
 
-    def pick(self, step: int, exchanged_at: int) -> str:
-        if step < self.settings.freeze_step:
+    def host_view(self, state) -> tuple[int, int]:
+        """(updates applied, the update count at the state's last compressed exchange; -1: none)."""
+        return int(state.opt_state.count), int(state.sync_state.exchanged_at)
+
+    def pick(self, step: int, view: tuple[int, int]) -> str:
+        # By updates applied, not steps: a skipped step does not count towards freeze_step (nor in DeepSpeed).
+        applied, exchanged_at = view
+        if applied < self.settings.freeze_step:
             return WARMUP
-        if self.partitioned and exchanged_at != step - 1:
+        if self.partitioned and exchanged_at != applied - 1:
             return FIRST
         return COMPRESSED
 
-    def after(self, step: int, phase: str, exchanged_at: int) -> int:
-        return exchanged_at if phase == WARMUP else step
+    def after(self, step: int, phase: str, view: tuple[int, int]) -> tuple[int, int]:
+        applied, exchanged_at = view  # the step was applied (else `rereads` reads the view anew)
+        return applied + 1, exchanged_at if phase == WARMUP else applied
 
     # state and its placement
     def init_state(self) -> SyncState:
@@ -258,13 +269,13 @@ class OneBitSync:
     # ------------------------------------------------------------------------------- in the step
     def inputs(self, state, phase: str):
         """What the compressed phases exchange besides the gradients, and its shard_map specs: the last
-        momentum (whole, where it is passed), the sync state and the step number."""
+        momentum (whole, where it is passed), the sync state and the update count."""
         if phase == WARMUP:
             return None, P()
         mu = self.previous_momentum(state.opt_state.mu, phase)
         mu_specs = jax.tree.map(lambda p, m: None if m is None else p.pipe_spec(), self.zero.placements, mu,
                                 is_leaf=is_placement)
-        return (mu, state.sync_state, state.step), (mu_specs, self.specs(), P())
+        return (mu, state.sync_state, state.opt_state.count), (mu_specs, self.specs(), P())
 
     def output_specs(self, phase: str):
         return P() if phase == WARMUP else (self.specs(), P())
@@ -273,8 +284,8 @@ class OneBitSync:
         return self.zero.per_microbatch(grads) if phase == WARMUP else grads
 
     def final(self, grads, inputs, phase: str):
-        """Warm-up: ZeRO's reduction. Compressed phases (fp16 is refused, so the loss scale is 1): (the
-        exchanged momentum, (the new sync state, the gradient norm))."""
+        """Warm-up: ZeRO's reduction. Compressed phases (the gradients come unscaled): (the exchanged
+        momentum, (the new sync state, the gradient norm))."""
         if phase == WARMUP:
             return self.zero.final(grads)
         momentum, sync_state, norm = self.exchanged(grads, *inputs)
@@ -339,11 +350,11 @@ class OneBitSync:
 
 
 def make_sync(optimizer: OneBitAdam, placements, data_size: int, zero_sync, grad_clip: float = 0.0,
-              impl: str = "auto") -> OneBitSync:
+              impl: str = "auto", skips: bool = False) -> OneBitSync:
     """The 1-bit sync for parameters placed by `placements` (LeafPlacement tree) over `data_size` devices;
     a leaf whose optimizer state ZeRO partitions (stages 1-2) is served shard by shard."""
     partitioned = ZERO_PARTITIONED[zero_sync.stage]["opt_state"]
     layouts = jax.tree.map(lambda p: Layout(tuple(p.shape), data_size, p.zero_dim if partitioned else None,
                                             p.pad if partitioned else 0),
                            placements, is_leaf=is_placement)
-    return OneBitSync(optimizer.settings, layouts, zero_sync, grad_clip, impl=impl)
+    return OneBitSync(optimizer.settings, layouts, zero_sync, grad_clip, skips=skips, impl=impl)

@@ -25,6 +25,9 @@ class Phased(Protocol):
     def after(self, step: int, phase: str, view) -> Any:
         """The view after step `step` ran `phase`."""
 
+    # Optional: `rereads` True when the view after a step depends on the device (an fp16 step skipped on
+    # overflow changes no state): the clock then reads it from every state, waiting for the step before.
+
 
 class PhaseClock:
     """Follows the step number on the host, so that picking a program never waits for the device: the
@@ -47,7 +50,7 @@ class PhaseClock:
     def phase(self, state) -> str:
         if self.part is None:
             return STEADY
-        if state.step is not self._last:
+        if state.step is not self._last or getattr(self.part, "rereads", False):
             self._count = int(state.step)
             self._view = self.part.host_view(state)
         return self.part.pick(self._count, self._view)
