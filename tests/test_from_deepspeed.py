@@ -397,3 +397,27 @@ def test_cli_trains_with_a_deepspeed_config(tmp_path):
         np.testing.assert_allclose(row["lr"], lrs[applied], rtol=2e-6, atol=1e-12)
         applied += not row["skipped"]
     assert len(rows) == STEPS
+
+
+def test_param_offload_without_optimizer_offload_holds_deepspeeds_device_bytes(params):
+    """Stage 3 with offload_param 'cpu' and no offload_optimizer: DeepSpeed keeps the fp32 master shards and
+    Adam's state on the GPU and moves its 16-bit copy of the shards to the host (zero/stage3.py); zeroflax keeps
+    no 16-bit copy at all, so the import moves nothing and each device holds DeepSpeed's bytes: 4 + 8 bytes per
+    parameter over N, measured from the compiled step (the leaves under the persistence threshold whole)."""
+    ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}}
+    imported = from_deepspeed(ds, world_size=8)
+    assert not imported.config.offload_param.enabled and not imported.config.offload_optimizer.enabled
+    assert any("offload_param: 'cpu' without offload_optimizer" in n for n in imported.notes)
+    tokens = np.zeros((imported.config.train_batch_size, MODEL.max_len + 1), np.int32)
+    engine, state = zeroflax.initialize(next_token_loss(GPT(MODEL)), params, imported.optimizer or optax.adamw(1e-3),
+                                        imported.config, abstract=True)
+    memory = zeroflax.memory_report(engine, state, {"tokens": tokens})
+    psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    stored = memory.params + memory.opt_state
+    print(f"at rest {stored} B per device, 12 Psi / N = {psi * 12 / 8:.0f} B")  # 6604 against 6600
+    assert psi * 12 / 8 <= stored <= psi * 12 / 8 + 4, (stored, psi)  # + Adam's int32 step count, held whole
+    # With offload_optimizer too, both offloads are built: the master shards and the state go to the host.
+    both = from_deepspeed({**ds, "zero_optimization": {**ds["zero_optimization"], "offload_optimizer": {
+        "device": "cpu"}}}, world_size=8)
+    assert both.config.offload_param.enabled and both.config.offload_optimizer.enabled

@@ -63,6 +63,16 @@ def read_zero(ds: dict, settings: Settings, notes: list) -> int:
                          "parameters stay on the device)")
             settings.set(f"{cls.__name__}.device", "none", f"{prefix}.device", False)
             continue
+        if kind == "offload_param" and device == "cpu" and settings.values["OffloadOptimizerConfig.device"] == "none":
+            # Without offload_optimizer, DeepSpeed's stage 3 keeps the fp32 master shards and the optimizer state
+            # on the GPU and moves only its 16-bit copy of the shards to the host (zero/stage3.py). zeroflax keeps
+            # no 16-bit copy: its gathers cast the master shard on the fly. The device holds the same bytes.
+            notes.append(f"{prefix}: 'cpu' without offload_optimizer: DeepSpeed moves only its 16-bit copy of the "
+                         "parameter shards to the host (master weights and optimizer state stay on the GPU); "
+                         "zeroflax keeps no such copy (the gathers cast the master shard), so nothing moves and each "
+                         "device holds what DeepSpeed's does: master shard + optimizer state")
+            settings.set(f"{cls.__name__}.device", "none", f"{prefix}.device", False)
+            continue
         if device == "nvme":
             raise ConfigError(f"{prefix}.device", "'nvme' (ZeRO-Infinity) is refused: JAX has no NVMe memory kind",
                               "use 'cpu'")
