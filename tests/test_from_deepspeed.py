@@ -319,7 +319,8 @@ BAD = [  # (JSON path of the error, config, keywords)
     ("scheduler.type", {"train_batch_size": 8, "scheduler": {"type": "StepLR", "params": {}}}, {}),
     ("zero_optimization.offload_optimizer.device", {"train_batch_size": 8, "zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}, {}),
-    ("zero_optimization.offload_param.device", load("sglang_offload_cpu.json"), dict(world_size=1)),
+    ("zero_optimization.offload_param.device", {"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}, {}),
     ("optimizer.params.max_grad_norm", {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {
         "lr": 1e-3, "max_grad_norm": 1.0}}}, {}),
     ("optimizer.params.betas", {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {
@@ -417,6 +418,8 @@ def test_param_offload_without_optimizer_offload_holds_deepspeeds_device_bytes(p
     stored = memory.params + memory.opt_state
     print(f"at rest {stored} B per device, 12 Psi / N = {psi * 12 / 8:.0f} B")  # 6604 against 6600
     assert psi * 12 / 8 <= stored <= psi * 12 / 8 + 4, (stored, psi)  # + Adam's int32 step count, held whole
+    real = from_deepspeed(load("sglang_offload_cpu.json"), world_size=1)  # the same, in a real file
+    assert real.config.zero_stage == 3 and not real.config.offload_param.enabled
     # With offload_optimizer too, both offloads are built: the master shards and the state go to the host.
     both = from_deepspeed({**ds, "zero_optimization": {**ds["zero_optimization"], "offload_optimizer": {
         "device": "cpu"}}}, world_size=8)
