@@ -269,6 +269,11 @@ def test_auto_resolution_and_gin_bindings():
         grad_clip=0.5, micro_batch_size=2), bound={"Config.micro_batch_size": 4})
     assert (imported.config.micro_batch_size, imported.config.grad_clip, imported.hyperparameters["lr"]) == (4, 0.5, 1e-3)
     assert "train_micro_batch_size_per_gpu = 4 (gin's Config.micro_batch_size)" in imported.notes[0]
+    zero = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto",
+                                                          "offload_optimizer": {"device": "auto"}}}
+    filled = from_deepspeed(zero, world_size=8, bound={"Config.max_live_parameters": 7,
+                                                       "OffloadOptimizerConfig.device": "cpu"})
+    assert (filled.config.max_live_parameters, filled.config.offload_optimizer.device) == (7, "cpu")
     unused = from_deepspeed(hf, world_size=2, total_steps=100, base=zeroflax.Config(grad_clip=0.5), base_fills_auto=False)
     assert unused.config.grad_clip == 1.0
     # No batch key at all (transformers' own ZeRO-3 test config; accelerate fills it): as for "auto".

@@ -42,15 +42,16 @@ HF_DEFAULTS: dict[str, tuple[Any, str]] = {
     "eps": (1e-8, "TrainingArguments.adam_epsilon"),
     "warmup_steps": (0, "TrainingArguments.warmup_steps"),
     "zero_stage": (2, "accelerate's DeepSpeedPlugin.zero_stage"),
-    "offload_device": ("none", "accelerate's DeepSpeedPlugin offload devices"),
+    "offload_optimizer": ("none", "accelerate's DeepSpeedPlugin.offload_optimizer_device"),
+    "offload_param": ("none", "accelerate's DeepSpeedPlugin.offload_param_device"),
     "total_steps": (None, "the number of training steps, which Hugging Face counts from the data set: pass "
                           "total_steps= (the CLI: TrainConfig.steps)"),
     "hidden_size": (None, "the model's hidden size: pass hidden_size="),
 }
-# quantity -> (gin's name, the base Config's field) where gin or the base Config can say it.
+# quantity -> its gin name, where gin can bind it; a Config.* field the base Config gives too.
 CONFIG_NAMES = {"micro_batch_size": "Config.micro_batch_size", "grad_accum_steps": "Config.grad_accum_steps",
-                "grad_clip": "Config.grad_clip", "precision": "Config.precision", "zero_stage": "Config.zero_stage"}
-KEYWORDS = ("learning_rate", "weight_decay", "betas", "eps", "warmup_steps", "total_steps", "hidden_size")
+                "grad_clip": "Config.grad_clip", "precision": "Config.precision", "zero_stage": "Config.zero_stage",
+                "offload_optimizer": "OffloadOptimizerConfig.device", "offload_param": "OffloadParamConfig.device"}
 # Blocks DeepSpeed reads with pydantic, which drops an "auto" it was not given a value for (the default applies).
 DEFAULTED_BLOCKS = ("zero_optimization", "fp16", "bf16", "bfloat16", "tensor_parallel")
 
@@ -72,7 +73,7 @@ class AutoSources:
             return self.bound[name], f"gin's {name}"
         if self.keywords.get(quantity) is not None:
             return self.keywords[quantity], self.labels.get(quantity, f"{quantity}=")
-        if name is not None and self.base is not None:
+        if name is not None and name.startswith("Config.") and self.base is not None:
             return getattr(self.base, name.split(".", 1)[1]), f"the base {name}"
         value, source = HF_DEFAULTS[quantity]
         return value, (f"Hugging Face's default {source}" if value is not None else source)
@@ -105,6 +106,13 @@ def _fixed(value, where: str):
     return lambda sources: (value, where)
 
 
+def _bound_or(name: str, default):
+    """gin's binding of `name`, else DeepSpeed's default (what DeepSpeed takes for a dropped "auto")."""
+    def resolve(sources: AutoSources):
+        return (sources.bound[name], f"gin's {name}") if name in sources.bound else (default, "DeepSpeed's default")
+    return resolve
+
+
 def _warmup(sources: AutoSources):
     """Hugging Face's warm-up steps; its default, 0, becomes 1: DeepSpeed >= 0.19.3 refuses 0 (lr_schedules.py
     validates it), and older DeepSpeed, which Hugging Face's default was written for, floored 0 at 2 warm-up
@@ -118,8 +126,8 @@ def _warmup(sources: AutoSources):
 _ZERO3_SIZES = {
     "param_persistence_threshold": _hidden(lambda h: 10 * h, "Config.persistence_threshold", 100_000),
     "prefetch_bucket_size": _hidden(lambda h: int(0.9 * h * h), "Config.prefetch_bucket_size", 50_000_000),
-    "max_live_parameters": _fixed(1_000_000_000, "DeepSpeed's default"),
-    "max_reuse_distance": _fixed(1_000_000_000, "DeepSpeed's default"),
+    "max_live_parameters": _bound_or("Config.max_live_parameters", 1_000_000_000),
+    "max_reuse_distance": _bound_or("Config.max_reuse_distance", 1_000_000_000),
 }
 # JSON path -> how its "auto" resolves. The batch sizes are resolved together (`_batch`).
 AUTO_KEYS: dict[str, Callable[[AutoSources], tuple[Any, str]]] = {
@@ -129,8 +137,8 @@ AUTO_KEYS: dict[str, Callable[[AutoSources], tuple[Any, str]]] = {
     "bfloat16.enabled": _from("precision", lambda p: p == "bf16"),
     "amp.enabled": _fixed(False, "Hugging Face's default (its fp16 backend is torch's amp, not Apex)"),
     "zero_optimization.stage": _from("zero_stage"),
-    "zero_optimization.offload_optimizer.device": _from("offload_device"),
-    "zero_optimization.offload_param.device": _from("offload_device"),
+    "zero_optimization.offload_optimizer.device": _from("offload_optimizer"),
+    "zero_optimization.offload_param.device": _from("offload_param"),
     **{f"zero_optimization.{prefix}{field}": fn for field, fn in _ZERO3_SIZES.items() for prefix in ("stage3_", "")},
     "optimizer.params.lr": _from("learning_rate"),
     "optimizer.params.betas": _from("betas", list),
