@@ -358,6 +358,9 @@ BAD = [  # (JSON path of the error, config, keywords)
         "warmup_max_lr": 1e-3, "last_batch_iteration": 99}}}, {}),
     ("scheduler.params.total_num_steps", load("hf_tensor_parallel.json"), dict(world_size=2, base=zeroflax.Config(
         precision="bf16"))),
+    ("gradient_accumulation_steps", {"train_batch_size": "auto", "gradient_accumulation_steps": {}}, {}),
+    ("scheduler.params.warmup_min_lr", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": None, "warmup_max_lr": 1e-3}}}, {}),
     ("optimizer.params.freeze_step", {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam", "params": {
         "freeze_step": "auto"}}}, {}),
 ]

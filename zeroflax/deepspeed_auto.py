@@ -181,6 +181,8 @@ def _batch(ds: dict, sources: AutoSources, data_size: int, filled: list) -> None
             filled.append((key, value, where + (", absent from the JSON" if was_absent else "")))
         effective[key] = value if value is not None else sources.lookup(quantity)[0]
     if ds.get("train_batch_size") == AUTO:
+        for key, value in effective.items():  # the product needs numbers: name the key that is not one
+            keys.as_int(value, key, 1)
         value = effective["train_micro_batch_size_per_gpu"] * effective["gradient_accumulation_steps"] * data_size
         ds["train_batch_size"] = value
         filled.append(("train_batch_size", value, f"micro-batch x accumulation x {data_size} data-parallel devices"))

@@ -51,8 +51,8 @@ def read_scheduler(ds: dict, kw: dict, notes: list):
                           "back to 'log' with a warning)", "use 'log' or 'linear'")
     for key in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio", "lr_range_test_min_lr",
                 "lr_range_test_step_rate"):
-        if values.get(key) is not None:
-            values[key] = as_number(values[key], path + key, None)
+        if values.get(key) is not None or (key in values and takes[key] is not None):  # None: only where it
+            values[key] = as_number(values[key], path + key, None)  # means the optimizer's lr (warmup_max_lr)
     if "lr_range_test_staircase" in values:
         values["lr_range_test_staircase"] = as_bool(values["lr_range_test_staircase"], path + "lr_range_test_staircase")
     if kw["total_steps"] is not None and values.get("total_num_steps") not in (None, kw["total_steps"]):
