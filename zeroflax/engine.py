@@ -110,9 +110,7 @@ class Engine:
             weight = 1.0 / (self.data_size * accum)  # the step's loss: the mean over all data-parallel micro-batches
             grads, loss, aux, model_state = source(self.trace, params, micro, device_rng, scale * weight, model_state,
                                                    sources, functools.partial(self.sync.per_microbatch, phase=sync_phase))
-            # Unscaled before the sync: a compressed exchange (1-bit Adam) works on the true gradient, as
-            # DeepSpeed's fp16 wrapper unscales before its optimizer exchanges (a power-of-two scale: the same bits).
-            grads, sync_out = self.sync.final(self.scaler.unscale(grads, scale), sync_in, sync_phase)
+            grads, sync_out = self.sync.final(grads, sync_in, sync_phase, scale)  # reduced and unscaled
             return source.after_sync(grads), loss, aux, model_state, sync_out
 
         in_specs = (plan.data_specs("params"), jax.tree.map(lambda _: P(DATA_AXIS), batch), P(), P(), P(), sync_specs)

@@ -25,6 +25,7 @@ from zeroflax.sharding.mesh import DATA_AXIS
 from zeroflax.sharding.ordered import mean_all
 from zeroflax.sharding.policy import ZERO_PARTITIONED, is_placement
 from zeroflax.step.parts import Synced
+from zeroflax.step.zero_sync import unscale
 
 WARMUP, FIRST, COMPRESSED = "warmup", "first", "compressed"
 
@@ -283,12 +284,13 @@ class OneBitSync:
     def per_microbatch(self, grads, phase: str):
         return self.zero.per_microbatch(grads) if phase == WARMUP else grads
 
-    def final(self, grads, inputs, phase: str):
-        """Warm-up: ZeRO's reduction. Compressed phases (the gradients come unscaled): (the exchanged
-        momentum, (the new sync state, the gradient norm))."""
+    def final(self, grads, inputs, phase: str, scale=1.0):
+        """Warm-up: ZeRO's reduction. Compressed phases: (the exchanged momentum, (the new sync state, the
+        gradient norm)), from the local gradient unscaled first, as DeepSpeed's fp16 wrapper unscales it
+        before OnebitAdam exchanges."""
         if phase == WARMUP:
-            return self.zero.final(grads)
-        momentum, sync_state, norm = self.exchanged(grads, *inputs)
+            return self.zero.final(grads, scale=scale)
+        momentum, sync_state, norm = self.exchanged(unscale(grads, scale), *inputs)
         return momentum, (sync_state, norm)
 
     def synced(self, grads, outputs, state, phase: str) -> Synced:

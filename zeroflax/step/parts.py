@@ -77,8 +77,10 @@ class GradSync(Protocol):
 
     def per_microbatch(self, grads, phase: str): ...
 
-    def final(self, grads, inputs, phase: str) -> tuple[Any, Any]:
-        """Per device: (reduced gradients, outputs for `synced`)."""
+    def final(self, grads, inputs, phase: str, scale) -> tuple[Any, Any]:
+        """Per device: (the reduced gradients divided by the loss scale `scale`, outputs for `synced`). The
+        sync divides where it is right and cheapest for it: ZeRO's after its reduction, on the shards; 1-bit
+        Adam's compressed phase before its exchange, which must see the true gradient."""
 
     def output_specs(self, phase: str) -> PartitionSpec | Any: ...
 

@@ -21,8 +21,5 @@ class LossScaler:
     def init(self) -> LossScaleState:
         return init_loss_scale(self.config, self.fp16)
 
-    def unscale(self, grads, scale):
-        return jax.tree.map(lambda g: g / scale, grads)
-
     def next(self, state: LossScaleState, finite) -> LossScaleState:
         return update_loss_scale(state, ~finite, self.config, self.dynamic)

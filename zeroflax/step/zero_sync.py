@@ -35,6 +35,11 @@ from zeroflax.step.phases import STEADY
 SCATTER_WHEN = {0: None, 1: "final", 2: "microbatch", 3: "backward"}
 
 
+def unscale(grads, scale):
+    """The gradients divided by the loss scale (1 without fp16)."""
+    return jax.tree.map(lambda g: g / scale, grads)
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroGradSync:
     stage: int
@@ -82,10 +87,12 @@ class ZeroGradSync:
         with jax.named_scope(GRAD_SYNC_SCOPE):
             return self._map(lambda p, g: g if p.zero_dim is None else self._scatter(p, g), grads)
 
-    def final(self, grads, inputs=None, phase: str = STEADY):
-        """(the reduced gradients, no outputs); when `ordered`, (the reduced gradients clipped to grad_clip,
-        their norm): the update's own norm would sum the shards' parts in the collective library's order."""
-        reduced = self.reduced(grads)
+    def final(self, grads, inputs=None, phase: str = STEADY, scale=1.0):
+        """(the reduced gradients over the loss scale, no outputs); when `ordered`, (the reduced gradients
+        clipped to grad_clip, their norm): the update's own norm would sum the shards' parts in the collective
+        library's order. The loss scale is divided out after the reduction, on the shards (1/N of the elements at
+        stages 1-2)."""
+        reduced = unscale(self.reduced(grads), scale)
         if not self.ordered:
             return reduced, None
         split = jax.tree.leaves(self._map(lambda p, g: SCATTER_WHEN[self.stage] is not None and p.zero_dim is not None,
