@@ -209,14 +209,14 @@ def _ignored(path: str) -> bool:
     return prefixes[-2:-1] == ["optimizer.params"] and (parts[-1] in keys.ADAM_MOOT or parts[-1] in keys.ONEBIT_MOOT)
 
 
-def _leftover(tree: dict, prefix: str, unknown: list) -> None:
-    """Every "auto" still in the JSON at a key zeroflax reads: nothing fills it."""
+def _leftover(tree: dict, prefix: str, unknown: dict) -> None:
+    """Every "auto" still in the JSON at a key zeroflax reads and no source knows: nothing fills it."""
     for key, value in tree.items():
         path = f"{prefix}.{key}" if prefix else key
         if _ignored(path):
             continue
-        if value == AUTO and not any(u.startswith(path + " ") for u in unknown):
-            unknown.append(f"{path} (nothing fills it: write a value)")
+        if value == AUTO:
+            unknown.setdefault(path, "nothing fills it: write a value")
         elif isinstance(value, dict):
             _leftover(value, path, unknown)
 
@@ -227,14 +227,14 @@ def resolve_auto(ds: dict, sources: AutoSources, data_size: int) -> tuple[dict, 
     ds = copy.deepcopy(ds)
     filled: list[tuple[str, Any, str]] = []
     _batch(ds, sources, data_size, filled)
-    unknown = []
+    unknown: dict[str, str] = {}  # JSON path -> why nothing fills it
 
     def fill(path, sources):
         if _get(ds, path) != AUTO:
             return
         value, where = AUTO_KEYS[path](sources)
         if value is None:
-            unknown.append(f"{path} ({where})")
+            unknown[path] = where
         else:
             _put(ds, path, value)
             filled.append((path, value, where))
@@ -250,7 +250,8 @@ def resolve_auto(ds: dict, sources: AutoSources, data_size: int) -> tuple[dict, 
             _defaulted(ds[block], block, filled)
     _leftover(ds, "", unknown)
     if unknown:
-        raise ConfigError(unknown[0].split(" ", 1)[0], "'auto' has nothing to resolve it: " + "; ".join(unknown))
+        raise ConfigError(next(iter(unknown)), "'auto' has nothing to resolve it: "
+                          + "; ".join(f"{path} ({why})" for path, why in unknown.items()))
     notes = []
     if filled:
         how = "; ".join(f"{path} = {value if isinstance(value, str) else repr(value)} ({where})"

@@ -8,8 +8,8 @@ Each key (a JSON path) is one of
     values listed as harmless (DeepSpeed's default, or a block with "enabled": false).
 A key in none of them is unknown: an error naming the nearest known key, except at the top level, where
 DeepSpeed ignores what it does not know and so does zeroflax, with a note, unless the key looks like a typo
-of a known one (`check_block`, at the end, holds a block to the table; `check_params` a type-dependent block to its key set; `as_int` and friends read values,
-each error keyed by the JSON path). docs/from_deepspeed.md shows
+of a known one (`check_block`, at the end, holds a block to the table; `check_params` a type-dependent block
+to its key set; `as_int` and friends read values, each error keyed by the JSON path). docs/from_deepspeed.md shows
 these tables (rendered by `render_markdown`; a test keeps the two equal). DeepSpeed's own key names and
 defaults: deepspeed/runtime/constants.py, runtime/config.py, runtime/zero/config.py, zero/offload_config.py,
 runtime/precision_config.py, runtime/activation_checkpointing/config.py, runtime/lr_schedules.py.
@@ -437,7 +437,8 @@ def check_block(tree: dict, prefix: str, notes: list) -> None:
         elif path not in MAPPED:
             if prefix:
                 _unknown(path, known)
-            _unknown_top_level(key, known, notes)
+            else:
+                _unknown_top_level(key, known, notes)
 
 
 def check_params(params: dict, prefix: str, takes: Mapping, moot: Mapping, notes: list, what: str) -> None:

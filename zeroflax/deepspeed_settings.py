@@ -1,4 +1,4 @@
-"""The zeroflax settings a DeepSpeed JSON decides, and "auto", the value that leaves one to be resolved.
+"""The zeroflax settings a DeepSpeed JSON decides ("auto" is resolved before, in deepspeed_auto.py).
 
 The reader of each DeepSpeed block records what it decides in one `Settings`, by gin-style name
 ('Config.zero_stage'); from_deepspeed (deepspeed_config.py) builds the Config from them.
@@ -8,8 +8,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from zeroflax.config import ConfigError
-
-AUTO = "auto"
 
 
 class Settings:
