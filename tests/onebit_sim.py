@@ -50,7 +50,8 @@ Layouts (one per parameter):
 Bit packing does not change any value, so signs are kept as float32 +-1 and never packed.
 
 Public API: `simulate_onebit_adam` (the whole optimiser), `compressed_allreduce` (one call of the
-compressed all-reduce), `to_rows` / `from_rows` / `row_width` (the layouts), `sign_pm1`, `norm_f32`.
+compressed all-reduce; `compressed_allreduce_rows`, the same on (N, C) rows laid out already),
+`to_rows` / `from_rows` / `row_width` (the layouts), `sign_pm1`, `norm_f32`.
 Run this file to execute its self-check.
 """
 from __future__ import annotations
@@ -64,6 +65,7 @@ F32 = np.float32
 __all__ = [
     "simulate_onebit_adam",
     "compressed_allreduce",
+    "compressed_allreduce_rows",
     "to_rows",
     "from_rows",
     "row_width",
@@ -162,22 +164,19 @@ def from_rows(rows: np.ndarray, shape: tuple, layout: tuple, n: int) -> np.ndarr
 # the compressed all-reduce
 
 
-def compressed_allreduce(m_workers, worker_errors, server_errors, layout):
-    """One compressed all-reduce of a parameter-shaped buffer over N workers (DeepSpeed's
+def compressed_allreduce_rows(rows_workers, worker_errors, server_errors):
+    """One compressed all-reduce of already laid-out rows over N workers (DeepSpeed's
     `NcclBackend.compressed_allreduce`, error feedback on both sides).
 
-    m_workers:     list of N float32 arrays, worker k's buffer (its local momentum m_k).
+    rows_workers:  list of N float32 (N, C) arrays, worker k's buffer as rows (row i goes to server i).
     worker_errors: list of N float32 (N, C) arrays, worker k's worker error.
     server_errors: list of N float32 (C,) arrays, server i's (= worker i's) server error.
-    layout:        ("flat",) or ("zero", d).
 
-    Returns (results, new_worker_errors, new_server_errors): results is a list of N arrays of the
-    buffer's shape, the result as each worker assembles it from the gathered rows (all equal).
-    The inputs are not modified.
+    Returns (result_rows, new_worker_errors, new_server_errors): result_rows is the (N, C) float32
+    array that every worker gathers (the same on all workers). The inputs are not modified.
     """
-    n = len(m_workers)
-    shape = np.shape(m_workers[0])
-    c = row_width(shape, layout, n)
+    n = len(rows_workers)
+    c = np.shape(rows_workers[0])[1]
     sqrt_nc = F32(np.sqrt(n * c))  # DeepSpeed: np.sqrt(buffer_m.numel()), numel = N*C
     sqrt_c = F32(np.sqrt(c))  # DeepSpeed: np.sqrt(compensated_server_m.numel())
     inv_n = F32(1.0 / n)  # DeepSpeed: `.mul_(1 / self.size)` on the gathered worker scales
@@ -185,8 +184,9 @@ def compressed_allreduce(m_workers, worker_errors, server_errors, layout):
     # worker side: compensate, compress, keep the compression error
     signs, scales, new_worker_errors = [], [], []
     for k in range(n):
+        assert rows_workers[k].shape == (n, c) and rows_workers[k].dtype == F32
         assert worker_errors[k].shape == (n, c) and worker_errors[k].dtype == F32
-        x = to_rows(m_workers[k], layout, n) + worker_errors[k]
+        x = rows_workers[k] + worker_errors[k]
         w = F32(norm_f32(x) / sqrt_nc)
         s = sign_pm1(x)
         new_worker_errors.append((x - w * s).astype(F32))
@@ -205,9 +205,28 @@ def compressed_allreduce(m_workers, worker_errors, server_errors, layout):
         s = sign_pm1(a)
         new_server_errors.append((a - z * s).astype(F32))
         result_rows.append((z * s).astype(F32))  # all-gathered as (signs, scale)
+    return np.stack(result_rows), new_worker_errors, new_server_errors
 
+
+def compressed_allreduce(m_workers, worker_errors, server_errors, layout):
+    """One compressed all-reduce of a parameter-shaped buffer over N workers: the buffers laid out as
+    rows by `layout`, then `compressed_allreduce_rows`.
+
+    m_workers:     list of N float32 arrays, worker k's buffer (its local momentum m_k).
+    worker_errors: list of N float32 (N, C) arrays, worker k's worker error.
+    server_errors: list of N float32 (C,) arrays, server i's (= worker i's) server error.
+    layout:        ("flat",) or ("zero", d).
+
+    Returns (results, new_worker_errors, new_server_errors): results is a list of N arrays of the
+    buffer's shape, the result as each worker assembles it from the gathered rows (all equal).
+    The inputs are not modified.
+    """
+    n = len(m_workers)
+    shape = np.shape(m_workers[0])
+    rows = [to_rows(m, layout, n) for m in m_workers]
+    result_rows, new_worker_errors, new_server_errors = compressed_allreduce_rows(rows, worker_errors, server_errors)
     # every worker assembles the same rows
-    results = [from_rows(np.stack(result_rows), shape, layout, n) for _ in range(n)]
+    results = [from_rows(result_rows, shape, layout, n) for _ in range(n)]
     return results, new_worker_errors, new_server_errors
 
 
