@@ -55,14 +55,21 @@ class OneBitSettings:
     local_clip: bool = False  # DeepSpeed's clipping in the compressed phase (see onebit_adam)
 
 
-class OneBitAdam(optax.GradientTransformationExtraArgs):
-    """What `onebit_adam` returns: an optax transformation the engine recognises (`settings`)."""
+class CompressedMomentum(optax.GradientTransformationExtraArgs):
+    """An optimizer whose momentum the engine exchanges compressed (1-bit Adam, 1-bit LAMB): its update takes
+    the exchanged momentum as `momentum=`, and `settings` holds what the engine's sync reads."""
 
     __slots__ = ()
 
     @property
-    def settings(self) -> OneBitSettings:
+    def settings(self):
         return self.update.settings
+
+
+class OneBitAdam(CompressedMomentum):
+    """What `onebit_adam` returns: an optax transformation the engine recognises (`settings`)."""
+
+    __slots__ = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +130,11 @@ def onebit_adam(learning_rate: float | Callable = 1e-3, b1: float = 0.9, b2: flo
 
 
 def find_onebit(optimizer, abstract_params) -> bool:
-    """Whether a 1-bit Adam state hides inside `optimizer` (a chain, a wrapper) without being it."""
-    if isinstance(optimizer, OneBitAdam):
+    """Whether a 1-bit Adam or 1-bit LAMB state hides inside `optimizer` (a chain, a wrapper) without being it."""
+    from zeroflax.optim.onebit_lamb import OneBitLambState  # it imports this module
+
+    if isinstance(optimizer, CompressedMomentum):
         return False
+    kinds = (OneBitAdamState, OneBitLambState)
     state = jax.eval_shape(optimizer.init, abstract_params)
-    return any(isinstance(x, OneBitAdamState) for x in jax.tree.leaves(
-        state, is_leaf=lambda x: isinstance(x, OneBitAdamState)))
+    return any(isinstance(x, kinds) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kinds)))

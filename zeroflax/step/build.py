@@ -11,6 +11,7 @@ import optax
 
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim import onebit
+from zeroflax.optim.onebit_lamb import OneBitLamb
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order
 from zeroflax.pipeline.schedule import build_schedule
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
@@ -19,7 +20,8 @@ from zeroflax.sharding.policy import ShardingPlan
 from zeroflax.step.accumulate import Accumulation
 from zeroflax.step.device_update import DeviceUpdate
 from zeroflax.step.offloaded_update import OffloadedUpdate
-from zeroflax.step.onebit_sync import make_sync
+from zeroflax.step.onebit_lamb_sync import OneBitLambSync
+from zeroflax.step.onebit_sync import OneBitSync, make_sync
 from zeroflax.step.parts import GradSource, GradSync, Update
 from zeroflax.step.phases import PhaseClock
 from zeroflax.step.pipelined import Pipelined
@@ -88,32 +90,38 @@ def _source(config: Config, plan: ShardingPlan, has_model_state: bool) -> GradSo
     return Pipelined(schedule, layers // (stages * virtual), config.grad_accum_steps, plan.placements, order)
 
 
+# The compressed optimizers and their syncs (their update takes the exchanged momentum: optim/onebit.py).
+COMPRESSED_SYNCS = {onebit.OneBitAdam: ("1-bit Adam", "onebit_adam", OneBitSync),
+                    OneBitLamb: ("1-bit LAMB", "onebit_lamb", OneBitLambSync)}
+
+
 def _onebit_sync(config: Config, plan: ShardingPlan, optimizer, abstract_params, zero: ZeroGradSync):
-    """The 1-bit sync when `optimizer` is `zeroflax.optim.onebit_adam`, after checking what it composes
-    with; None for any other optimizer."""
+    """The compressed sync when `optimizer` is `zeroflax.optim.onebit_adam` or `onebit_lamb`, after checking
+    what it composes with; None for any other optimizer."""
     if onebit.find_onebit(optimizer, abstract_params):
-        raise ConfigError("optimizer", "1-bit Adam is wrapped (an optax chain or wrapper): the engine must "
-                          "exchange its momentum, so it has to be the optimizer itself",
-                          "pass zeroflax.optim.onebit_adam(...) directly (Config.grad_clip clips)")
-    if not isinstance(optimizer, onebit.OneBitAdam):
+        raise ConfigError("optimizer", "1-bit Adam or 1-bit LAMB is wrapped (an optax chain or wrapper): the "
+                          "engine must exchange its momentum, so it has to be the optimizer itself",
+                          "pass zeroflax.optim.onebit_adam(...) or onebit_lamb(...) directly (Config.grad_clip clips)")
+    if type(optimizer) not in COMPRESSED_SYNCS:
         return None
+    name, function, kind = COMPRESSED_SYNCS[type(optimizer)]
     mesh = plan.mesh
     refusals = [
         (config.zero_stage == 3, "Config.zero_stage", "stage 3 reduce-scatters each layer's gradient inside "
-         "the backward pass, so no device ever holds the local gradient whose momentum 1-bit Adam "
+         f"the backward pass, so no device ever holds the local gradient whose momentum {name} "
          "compresses", "use zero_stage 0, 1 or 2"),
-        (plan.offload, "OffloadOptimizerConfig.device", "1-bit Adam with offload is not built",
+        (plan.offload, "OffloadOptimizerConfig.device", f"{name} with offload is not built",
          "set OffloadOptimizerConfig.device='none'"),
-        (pipe_size(mesh) > 1, f"MeshConfig.axes['{PIPE_AXIS}']", "1-bit Adam under a pipeline is not built",
+        (pipe_size(mesh) > 1, f"MeshConfig.axes['{PIPE_AXIS}']", f"{name} under a pipeline is not built",
          "set the pipe axis to 1"),
-        (mesh.shape.get(TENSOR_AXIS, 1) > 1, f"MeshConfig.axes['{TENSOR_AXIS}']", "1-bit Adam with tensor "
+        (mesh.shape.get(TENSOR_AXIS, 1) > 1, f"MeshConfig.axes['{TENSOR_AXIS}']", f"{name} with tensor "
          "slicing is not built (each slice would be its own compressed buffer)", "set the tensor axis to 1"),
     ]
     for refused, key, why, fix in refusals:
         if refused:
-            raise ConfigError(key, f"refused with zeroflax.optim.onebit_adam: {why}", fix)
+            raise ConfigError(key, f"refused with zeroflax.optim.{function}: {why}", fix)
     return make_sync(optimizer, plan.placements, mesh.shape[DATA_AXIS], zero, config.grad_clip,
-                     skips=skips_nonfinite(config))
+                     skips=skips_nonfinite(config), kind=kind)
 
 
 def state_shardings(parts: Parts, plan: ShardingPlan, abstract_model_state) -> TrainState:

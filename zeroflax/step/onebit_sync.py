@@ -141,13 +141,19 @@ def _rms(x, count: int):
 
 
 def exchange(layout: Layout, momentum, worker_error, server_error, axis: str = DATA_AXIS, impl: str = "auto"):
-    """The compressed all-reduce of one leaf's local momentum (inside a shard_map manual over `axis`).
+    """The compressed all-reduce of one leaf's local momentum (inside a shard_map manual over `axis`):
+    `exchange_rows` of its rows."""
+    return exchange_rows(layout.to_rows(momentum.astype(jnp.float32)), worker_error, server_error, axis, impl)
+
+
+def exchange_rows(x, worker_error, server_error, axis: str = DATA_AXIS, impl: str = "auto"):
+    """The compressed all-reduce of one buffer laid out as N rows x (C, a multiple of 8) columns, row i the
+    chunk device i serves (inside a shard_map manual over `axis`).
 
     worker_error (N, C), server_error (C,): this device's. Returns (the result's rows as every device has
     them: bits (N, C/8) and scales (N,); this server's row of them, decompressed (C,); new worker error;
     new server error)."""
-    n, c = layout.rows, layout.cols
-    x = layout.to_rows(momentum.astype(jnp.float32))
+    n, c = x.shape
     scale = _rms(x + worker_error, n * c)
     bits, worker_error = pack_signs(x, worker_error, jnp.full((n,), scale), impl=impl)
     received = jax.lax.all_to_all(bits, axis, 0, 0, tiled=True)  # row k: worker k's signs of my row
@@ -239,6 +245,10 @@ class OneBitSync:
         return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs(),
                             is_leaf=lambda x: isinstance(x, P))
 
+    def buffer_cols(self) -> list[int]:
+        """The columns C of each buffer the compressed all-reduce exchanges (one per leaf)."""
+        return [l.cols for l in jax.tree.leaves(self.layouts, is_leaf=_is_layout)]
+
     def state_bytes(self) -> int:
         """The sync state's bytes per device, by the layouts: per leaf the worker error (4 N C), the server
         error (4 C) and, for a partitioned leaf, the last exchange's bits and scales (N C / 8 + 4 N); and the
@@ -259,7 +269,7 @@ class OneBitSync:
         layouts = jax.tree.leaves(self.layouts, is_leaf=_is_layout)
         n = self.data_size
         share = (n - 1) / n
-        exchange = sum((n - 1) * (l.cols / 4 + 8) for l in layouts)
+        exchange = sum((n - 1) * (cols / 4 + 8) for cols in self.buffer_cols())
         if self.grad_clip > 0 and not self.settings.local_clip:
             exchange += 2 * 4 * SKETCH_BUCKETS * share
         partitioned = sum(math.prod(l.stored_shape) for l in layouts if l.zero_dim is not None)
@@ -306,6 +316,22 @@ class OneBitSync:
             return m if l.zero_dim is None or phase == FIRST else None
         return jax.tree.map(leaf, self.layouts, mu, is_leaf=_is_layout)
 
+    def local_gradients(self, grads):
+        """(this device's local gradient, clipped as `grad_clip` and `local_clip` say; the gradient norm:
+        with `grad_clip` and no `local_clip` the mean gradient's, estimated by the sketch, else the mean
+        over devices of the local gradients' norms). `grads` are this device's share 1/N of the mean, as
+        the engine weights the loss."""
+        local = jax.tree.map(lambda g: g.astype(jnp.float32) * self.data_size, grads)
+        if self.grad_clip > 0 and not self.settings.local_clip:  # one factor on every device: the exchanged
+            # momentum follows the clipped mean gradient, whose norm the all-reduced sketch estimates
+            norm = jnp.sqrt(jnp.sum(jnp.square(mean_all(norm_sketch(local), self.axis, self.zero.ordered))))
+            return clip_to(local, norm, self.grad_clip), norm
+        local_norm = global_norm(local)
+        norm = mean_all(local_norm, self.axis, self.zero.ordered)
+        if self.grad_clip > 0:  # DeepSpeed's fp32 engine clips the local gradient its optimizer sees
+            local = clip_to(local, local_norm, self.grad_clip)
+        return local, norm
+
     def exchanged(self, grads, mu_prev, sync: SyncState, step):
         """Compressed phase, per device: grads are this device's local gradients (its share 1/N of the
         mean, as the engine weights the loss). Returns (momentum: this device's shard at rest, or the
@@ -314,16 +340,7 @@ class OneBitSync:
         gradients' norms)."""
         s = self.settings
         n = self.data_size
-        local = jax.tree.map(lambda g: g.astype(jnp.float32) * n, grads)
-        if self.grad_clip > 0 and not s.local_clip:  # one factor on every device: the exchanged momentum
-            # follows the clipped mean gradient, whose norm the all-reduced sketch estimates
-            norm = jnp.sqrt(jnp.sum(jnp.square(mean_all(norm_sketch(local), self.axis, self.zero.ordered))))
-            local = clip_to(local, norm, self.grad_clip)
-        else:
-            local_norm = global_norm(local)
-            norm = mean_all(local_norm, self.axis, self.zero.ordered)
-            if self.grad_clip > 0:  # DeepSpeed's fp32 engine clips the local gradient its optimizer sees
-                local = clip_to(local, local_norm, self.grad_clip)
+        local, norm = self.local_gradients(grads)
 
         def leaf(l: Layout, g, m_prev, state: LeafSync):
             if m_prev is None:  # the last exchange's result, from its bits
@@ -352,11 +369,13 @@ class OneBitSync:
 
 
 def make_sync(optimizer: OneBitAdam, placements, data_size: int, zero_sync, grad_clip: float = 0.0,
-              impl: str = "auto", skips: bool = False) -> OneBitSync:
-    """The 1-bit sync for parameters placed by `placements` (LeafPlacement tree) over `data_size` devices;
-    a leaf whose optimizer state ZeRO partitions (stages 1-2) is served shard by shard."""
+              impl: str = "auto", skips: bool = False, kind: type = None) -> OneBitSync:
+    """The 1-bit sync (`kind`: OneBitSync or a subclass) for parameters placed by `placements` (LeafPlacement
+    tree) over `data_size` devices; a leaf whose optimizer state ZeRO partitions (stages 1-2) is served shard
+    by shard."""
+    kind = kind or OneBitSync
     partitioned = ZERO_PARTITIONED[zero_sync.stage]["opt_state"]
     layouts = jax.tree.map(lambda p: Layout(tuple(p.shape), data_size, p.zero_dim if partitioned else None,
                                             p.pad if partitioned else 0),
                            placements, is_leaf=is_placement)
-    return OneBitSync(optimizer.settings, layouts, zero_sync, grad_clip, skips=skips, impl=impl)
+    return kind(optimizer.settings, layouts, zero_sync, grad_clip, skips=skips, impl=impl)
