@@ -227,7 +227,7 @@ class Checkpointer:
         except Exception:  # written without 1-bit Adam
             layout = None
         if layout != sync_layout(sync_state):
-            self.notes.append(f"1-bit Adam's error buffers reset: the checkpoint of step {step} was written "
+            self.notes.append(f"the 1-bit error buffers reset: the checkpoint of step {step} was written "
                               + ("without 1-bit Adam" if layout is None else "with another device count or layout"))
             return None
         target = _abstract_with_shardings(sync_state, shardings)

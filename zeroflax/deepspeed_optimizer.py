@@ -3,7 +3,7 @@
 Adam and AdamW become `deepspeed_adam` (the arithmetic of DeepSpeed's FusedAdam, CPU Adam and torch
 Adam/AdamW: eps outside the square root, adam_w_mode, bias_correction, torch_adam) under
 `optax.inject_hyperparams`; Lamb becomes `deepspeed_lamb` (FusedLamb's arithmetic, zeroflax/optim/lamb.py), and
-OneBitAdam zeroflax.optim.onebit_adam. `read_optimizer` reads and checks
+OneBitAdam and OneBitLamb zeroflax.optim.onebit_adam and onebit_lamb. `read_optimizer` reads and checks
 the block ("auto" was resolved before, deepspeed_auto.py); `build_optimizer` builds the optimizer once the
 learning-rate schedule (deepspeed_scheduler.py) is known.
 """
@@ -20,6 +20,9 @@ from zeroflax.config import ConfigError
 from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_block, check_params, is_number
 from zeroflax.optim.lamb import deepspeed_lamb
 from zeroflax.optim.onebit import onebit_adam
+from zeroflax.optim.onebit_lamb import onebit_lamb
+
+COMPRESSED = {"onebitadam": "OneBitAdam", "onebitlamb": "OneBitLamb"}  # the momentum exchanged as signs
 
 
 class _Moments(NamedTuple):
@@ -64,6 +67,8 @@ def _optimizer_params(ds: dict, kind: str, notes: list) -> dict:
     params = as_block(ds["optimizer"].get("params", {}), "optimizer.params")
     if kind == "onebitadam":
         takes, moot = keys.ONEBIT_PARAMS, keys.ONEBIT_MOOT
+    elif kind == "onebitlamb":
+        takes, moot = keys.ONEBIT_LAMB_PARAMS, keys.ONEBIT_LAMB_MOOT
     elif kind == "lamb":
         takes, moot = keys.LAMB_PARAMS, {}
     else:
@@ -95,10 +100,11 @@ def read_optimizer(ds: dict, notes: list) -> tuple[str, dict] | None:
     kind = name.lower()  # DeepSpeed lower-cases the names of its own optimizers
     if kind in keys.OPTIMIZERS_REFUSED:
         raise ConfigError("optimizer.type", f"{name!r} is refused: {keys.OPTIMIZERS_REFUSED[kind]}",
-                          "use Adam, AdamW, Lamb or OneBitAdam, or pass your own optax optimizer (drop the block)")
-    if kind not in ("adam", "adamw", "lamb", "onebitadam"):
+                          "use Adam, AdamW, Lamb, OneBitAdam or OneBitLamb, or pass your own optax optimizer (drop the block)")
+    if kind not in ("adam", "adamw", "lamb", "onebitadam", "onebitlamb"):
         raise ConfigError("optimizer.type", f"{name!r} is not mapped (DeepSpeed would build torch.optim.{name})",
-                          "use Adam, AdamW, Lamb or OneBitAdam, or pass your own optax optimizer (drop the block)")
+                          "use Adam, AdamW, Lamb, OneBitAdam or OneBitLamb, or pass your own optax optimizer (drop the "
+                          "block)")
     p = _optimizer_params(ds, kind, notes)
     path = "optimizer.params."
     p["lr"] = as_number(p["lr"], path + "lr")
@@ -108,19 +114,30 @@ def read_optimizer(ds: dict, notes: list) -> tuple[str, dict] | None:
     if as_bool(p["amsgrad"], path + "amsgrad"):
         raise ConfigError(path + "amsgrad", "refused: AMSGrad is not built (DeepSpeed's fused and 1-bit Adam refuse "
                           "it too)", "set it false")
-    if kind == "onebitadam":
+    if kind in COMPRESSED:
         p["freeze_step"] = as_int(p["freeze_step"], path + "freeze_step", 0)
-    elif kind == "lamb":
+    if kind == "lamb":
         for key in ("bias_correction", "eps_inside_sqrt"):
             p[key] = as_bool(p[key], path + key)
+    if kind in ("lamb", "onebitlamb"):
         p["max_coeff"], p["min_coeff"] = (as_number(p[k], path + k) for k in ("max_coeff", "min_coeff"))
         if p["min_coeff"] > p["max_coeff"]:
             raise ConfigError(path + "min_coeff", f"{p['min_coeff']} > max_coeff {p['max_coeff']}", "swap them")
         fp16 = ds.get("fp16", {})
         if isinstance(fp16, dict) and fp16.get("loss_scale", 0) not in (0, 0.0):  # DeepSpeed asserts it too
-            raise ConfigError("fp16.loss_scale", "a static loss scale with Lamb: DeepSpeed requires the dynamic one",
-                              "use 0 (dynamic)")
-    else:
+            raise ConfigError("fp16.loss_scale", f"a static loss scale with {name}: DeepSpeed requires the dynamic "
+                              "one", "use 0 (dynamic)")
+    if kind == "onebitlamb":
+        for key in ("coeff_beta", "factor_max", "factor_min", "factor_threshold"):
+            p[key] = as_number(p[key], path + key)
+        if not 0 <= p["coeff_beta"] < 1:
+            raise ConfigError(path + "coeff_beta", f"must be in [0, 1), got {p['coeff_beta']!r}")
+        if not 0 < p["factor_min"] <= p["factor_max"]:
+            raise ConfigError(path + "factor_min", f"{p['factor_min']} with factor_max {p['factor_max']}: need "
+                              "0 < factor_min <= factor_max", "e.g. DeepSpeed's defaults 0.5 and 4")
+        if not 0 <= p["factor_threshold"] < 1:
+            raise ConfigError(path + "factor_threshold", f"must be in [0, 1), got {p['factor_threshold']!r}")
+    elif kind in ("adam", "adamw"):
         for key in ("torch_adam", "adam_w_mode", "bias_correction"):
             p[key] = as_bool(p[key], path + key)
         if p["torch_adam"] and "bias_correction" in ds["optimizer"].get("params", {}):
@@ -141,6 +158,10 @@ def fp16_loss_scaling(spec, precision: str, settings, notes: list) -> None:
                  "not count towards freeze_step")
 
 
+_FUNCTION = {"onebitadam": "onebit_adam", "onebitlamb": "onebit_lamb"}
+_LAMB_EXTRA = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")
+
+
 def build_optimizer(spec, schedule, stage: int, precision: str, default_optimizer, notes: list):
     """(optimizer, hyperparameters). `schedule`: the lr as a function of the count, or None (constant lr)."""
     if spec is None:
@@ -152,23 +173,22 @@ def build_optimizer(spec, schedule, stage: int, precision: str, default_optimize
     kind, p = spec
     learning_rate = schedule if schedule is not None else p["lr"]
     b1, b2 = p["betas"]
-    if kind == "onebitadam":
-        refusals = [(stage == 3, "zero_optimization.stage", "stage 3 never holds the local gradient 1-bit Adam "
-                     "compresses", "use stage 0, 1 or 2")]
-        for refused, key, why, fix in refusals:
-            if refused:
-                raise ConfigError(key, f"refused with OneBitAdam: {why}", fix)
+    if kind in COMPRESSED:
+        name = COMPRESSED[kind]
+        if stage == 3:
+            raise ConfigError("zero_optimization.stage", f"refused with {name}: stage 3 never holds the local gradient "
+                              "whose momentum it compresses", "use stage 0, 1 or 2")
         if stage:
-            notes.append(f"optimizer.type: OneBitAdam at ZeRO stage {stage}: DeepSpeed forbids it, zeroflax "
+            notes.append(f"optimizer.type: {name} at ZeRO stage {stage}: DeepSpeed forbids it, zeroflax "
                          "compresses each device's ZeRO shard (docs/onebit_adam.md)")
-        notes.append("optimizer.type: OneBitAdam: after freeze_step, gradient_clipping scales every device's local "
+        notes.append(f"optimizer.type: {name}: after freeze_step, gradient_clipping scales every device's local "
                      "gradient by one factor from the mean gradient's norm (estimated by an all-reduced sketch); "
-                     "DeepSpeed clips each local gradient by its own norm, which is onebit_adam(local_clip=True) "
+                     f"DeepSpeed clips each local gradient by its own norm, which is {_FUNCTION[kind]}(local_clip=True) "
                      "(docs/onebit_adam.md)")
-        optimizer = onebit_adam(learning_rate, b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"],
-                                freeze_step=p["freeze_step"])
-        return optimizer, dict(type="OneBitAdam", lr=p["lr"], b1=b1, b2=b2, eps=p["eps"],
-                               weight_decay=p["weight_decay"], freeze_step=p["freeze_step"])
+        common = dict(b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"], freeze_step=p["freeze_step"])
+        extra = {k: p[k] for k in _LAMB_EXTRA} if kind == "onebitlamb" else {}
+        optimizer = (onebit_lamb if kind == "onebitlamb" else onebit_adam)(learning_rate, **common, **extra)
+        return optimizer, dict(type=name, lr=p["lr"], **common, **extra)
     if kind == "lamb":
         notes.append("optimizer.type: Lamb: FusedLamb's trust ratio on each whole leaf, partitioned or not (DeepSpeed's "
                      "ZeRO measures it on each rank's flat partition, and wants zero_allow_untested_optimizer)"

@@ -87,7 +87,7 @@ class Engine:
             new = self.update(state, synced, self.clock.of(self.update, phase))
         # nonfinite: the gradient was NaN or inf; skipped: so its update was not applied (fp16, 'skip').
         skipped = ~new.finite if self.update.skips_nonfinite else jnp.zeros((), bool)
-        # A skipped step changes none of the optimizer's state, the sync's (1-bit Adam's error buffers) included.
+        # A skipped step changes none of the optimizer's state, the sync's (1-bit Adam's and LAMB's error buffers) included.
         sync_state = jax.tree.map(lambda new_, old: jnp.where(skipped, old, new_), synced.state, state.sync_state)
         new_state = state.replace(step=state.step + 1, params=new.params, opt_state=new.opt_state,
                                   loss_scale=self.scaler.next(state.loss_scale, new.finite), model_state=model_state,

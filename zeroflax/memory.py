@@ -148,8 +148,8 @@ class MemoryReport:
                 "  XLA's host figures (memory_analysis; 0 on the CPU backend): "
                 + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.xla_host.items())]
         if self.sync_theory:
-            lines.append(f"  {'1-bit Adam buffers':<28}{mib(self.sync_state)}   theory {self.sync_theory / 2**20:.2f} MiB "
-                         "(worker error 4 N C + server error 4 C + sign bits per leaf)")
+            lines.append(f"  {'1-bit buffers':<28}{mib(self.sync_state)}   theory {self.sync_theory / 2**20:.2f} MiB "
+                         "(worker error 4 N C + server error 4 C + sign bits per buffer: a leaf, or 1-bit LAMB's one)")
         lines += self._leaf_lines()
         if self.pipe_size > 1:
             lines.append(f"  pipeline bubble: {self.bubble_fraction:.3f} of each stage's ticks idle")

@@ -24,5 +24,5 @@ class TrainState:
     # The update's state (offload, step/offloaded_update.py; None for the update on the device):
     compute_params: Any = None  # the device's compute-dtype copy of the parameters (a streamed leaf: None)
     pending_grads: Any = None  # the delayed update's gradients of the previous step (host)
-    # The gradient sync's state: 1-bit Adam's error buffers and last exchanged momentum (ZeRO's sync: None).
+    # The gradient sync's state: 1-bit Adam's or LAMB's error buffers and last exchanged momentum (ZeRO's sync: None).
     sync_state: Any = None
