@@ -11,11 +11,10 @@ its own parameters, momentum m, momentum accumulator cb (DeepSpeed's `momentum_a
 paper's u) and lrs; between syncs they differ from worker to worker.
 
 Steps t = 1, 2, ... are all real: DeepSpeed's first `step` call only initialises, so its own counter is
-t + 1, and DeepSpeed's interval schedule (the `step % var_interval`, `step % local_step_interval` and
-`step > var_freeze_step` tests) is shifted by one step against this one, whose tests read t.
-Per step t, per parameter (v only ever changes on "full" steps):
+s = t + 1. The schedule's tests read s, as DeepSpeed's do, so the kinds of steps are DeepSpeed's on its
+real steps. Per step t (s = t + 1), per parameter (v only ever changes on "full" steps):
 
-  not frozen, t % var_interval == 0 ("full"; g = mean of the local gradients, uncompressed, summed in
+  not frozen, s % var_interval == 0 ("full"; g = mean of the local gradients, uncompressed, summed in
   worker order, times float32(1/N)):
       v = b2*v + (1-b2)*(g*g);   m = b1*m + (1-b1)*g
   not frozen, otherwise ("onebit_grad"):
@@ -25,19 +24,19 @@ Per step t, per parameter (v only ever changes on "full" steps):
   every step, worker k:
       update = m_k / (sqrt(v) + eps)  (+ weight_decay*p_k if weight_decay > 0)
       p_k = p_k - lr*update;   if frozen: cb_k = cb_k - lr*update
-  frozen and t % local_step_interval == 0 ("local+sync"):
+  frozen and s % local_step_interval == 0 ("local+sync"):
       p_k = p_k - cb_k;  cb_k = cb_k * (sqrt(v) + eps);  cb = compressed_allreduce(cb_0 .. cb_{N-1}) (N > 1)
       m_k = -(cb / lrs_k);  p_k = p_k + cb / (sqrt(v) + eps);  cb_k = 0;  lrs_k = 0
-  then the counters: not frozen and t % var_interval == 0: var_counter += 1, and when it reaches
+  then the counters: not frozen and s % var_interval == 0: var_counter += 1, and when it reaches
   var_update_scaler: var_counter = 0, var_interval *= 2. Frozen: local_step_counter += 1, and when it
   reaches local_step_scaler: local_step_counter = 0, local_step_interval = min(clipper, 2*interval).
-  At the end of step t: if t > var_freeze_step and not yet frozen: frozen (from step t + 1 on), and
-  every worker and server error is zeroed (DeepSpeed's `reinitial_error_buffer`: the errors of the
-  gradients would otherwise feed the accumulated momenta).
+  At the end of step t: if s > var_freeze_step and not yet frozen: frozen (from step t + 1 on, i.e.
+  steps t > var_freeze_step are frozen), and every worker and server error is zeroed (DeepSpeed's
+  `reinitial_error_buffer`: the errors of the gradients would otherwise feed the accumulated momenta).
 
 Differences from DeepSpeed, by name:
-  * the shift by one step above (so DeepSpeed's first real step is its s = 2, and with the same
-    var_freeze_step DeepSpeed freezes one real step earlier);
+  * DeepSpeed's first call, which only initialises, is not simulated (DeepSpeed's first real step is its
+    s = 2, this step t = 1);
   * N == 1, "onebit_grad" step: m = b1*m + (1-b1)*g with the local gradient; DeepSpeed's
     `if self.size > 1:` leaves m untouched then;
   * lrs is a float32 sum of float32(lr) (DeepSpeed: a Python double, rounded to float32 in cb / lrs);
@@ -69,14 +68,16 @@ class _Counters:
         self.frozen = False
 
     def kind(self, t: int) -> str:
+        s = t + 1  # DeepSpeed's own step counter (its first call only initialises)
         if not self.frozen:
-            return "full" if t % self.var_interval == 0 else "onebit_grad"
-        return "local+sync" if t % self.local_step_interval == 0 else "local"
+            return "full" if s % self.var_interval == 0 else "onebit_grad"
+        return "local+sync" if s % self.local_step_interval == 0 else "local"
 
     def advance(self, t: int) -> bool:
         """The end of step t; returns True when this step froze the variance."""
+        s = t + 1
         if not self.frozen:
-            if t % self.var_interval == 0:
+            if s % self.var_interval == 0:
                 self.var_counter += 1
                 if self.var_counter == self.var_update_scaler:
                     self.var_counter, self.var_interval = 0, self.var_interval * 2
@@ -85,7 +86,7 @@ class _Counters:
             if self.local_step_counter == self.local_step_scaler:
                 self.local_step_counter = 0
                 self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
-        if t > self.var_freeze_step and not self.frozen:
+        if s > self.var_freeze_step and not self.frozen:
             self.frozen = True
             return True
         return False
@@ -238,14 +239,15 @@ def _plain_adam(params, grad_of, *, lr, b1, b2, eps, weight_decay, n_steps):
 
 def _self_check() -> None:
     rng = np.random.default_rng(2)
-    # the schedule, worked out by hand: var_interval 1, 1, then 2 (steps 3-6), then 4; frozen after step 7
-    # (7 > var_freeze_step = 6); local_step_interval 1 (steps 8-9), 2 (10-11), then min(4, 4) = 4
+    # the schedule, worked out by hand on DeepSpeed's counter s = t + 1: var_interval 1 (s = 2, 3), 2 (s = 4,
+    # 5), then 4; frozen after step t = 6 (s = 7 > var_freeze_step = 6); local_step_interval 1 (s = 8, 9),
+    # 2 (s = 10, 11), then 4
     sched = zero_one_adam_schedule(16, 6, 2, 2, 4)
     short = {"full": "F", "onebit_grad": "1", "local": "L", "local+sync": "S"}
-    assert "".join(short[k] for k in sched) == "FF1F1F1SSSLSLLLS", sched
+    assert "".join(short[k] for k in sched) == "FFF1F1SSSLSLLLSL", sched
     default = zero_one_adam_schedule(200, 100, 16, 32678, 16)
-    assert default[:16] == ["full"] * 16 and default[16:20] == ["onebit_grad", "full"] * 2
-    assert default[101] == "local+sync" and set(default[101:]) == {"local+sync"}  # interval 1 for 32678 steps
+    assert default[:16] == ["full"] * 16 and default[16:20] == ["full", "onebit_grad"] * 2
+    assert default[99] != "local+sync" and set(default[100:]) == {"local+sync"}  # interval 1 for 32678 steps
     print("schedule (16 steps, var_freeze_step 6, scalers 2, 2, clipper 4):", "".join(short[k] for k in sched))
 
     shapes = [(13,), (6, 8)]
@@ -269,9 +271,9 @@ def _self_check() -> None:
 
     # N = 4, every kind of step, ZeRO and flat layouts; ending on a sync step and on a local step
     lays = [("flat",), ("zero", 1)]
-    pw, st, log = simulate_zero_one_adam(params, lambda t, k: grads[t - 1][k], n_workers=n, n_steps=n_steps,
+    pw, st, log = simulate_zero_one_adam(params, lambda t, k: grads[t - 1][k], n_workers=n, n_steps=n_steps - 1,
                                          layouts=lays, **hp, **sc)
-    assert log == sched and log[-1] == "local+sync"
+    assert log == sched[:-1] and log[-1] == "local+sync"
     assert st["worker_errors"][1].shape == (n, n, row_width((6, 8), ("zero", 1), n))
     assert all(np.abs(e).max() > 0 for e in st["worker_errors"] + st["server_errors"])
     assert st["lrs"] == [F32(0)] * n and all(not c.any() for cs in st["cb"] for c in cs)
@@ -282,17 +284,14 @@ def _self_check() -> None:
           f"{diff:.2e} at most (rounding; |p| <= {size:.2f})")
     assert diff <= 4 * np.finfo(F32).eps * size
     assert all(np.array_equal(st["m"][k][j], st["m"][0][j]) for k in range(n) for j in range(2))
-    pw15, st15, log15 = simulate_zero_one_adam(params, grads, layouts=lays, n_steps=15, **hp, **sc)
-    lrs = F32(0)
-    for _ in range(3):  # steps 13-15 since the sync of step 12
-        lrs = F32(lrs + F32(1e-2))
-    assert log15[-1] == "local" and st15["lrs"] == [lrs] * n
+    pw15, st15, log15 = simulate_zero_one_adam(params, grads, layouts=lays, n_steps=16, **hp, **sc)
+    assert log15 == sched and log15[-1] == "local" and st15["lrs"] == [F32(1e-2)] * n  # step 16 since the sync of 15
     spread = max(float(np.abs(pw15[k][j] - pw15[0][j]).max()) for k in range(n) for j in range(2))
     assert spread > 100 * diff  # between syncs each worker goes its own way
     assert all(np.isfinite(p).all() for ps in pw + pw15 for p in ps)
 
-    # the errors are zeroed when the variance freezes: var_freeze_step = n_steps - 1 freezes after the last step
-    _, st_f, _ = simulate_zero_one_adam(params, grads, layouts=lays, **hp, **{**sc, "var_freeze_step": n_steps - 1})
+    # the errors are zeroed when the variance freezes: var_freeze_step = n_steps freezes after the last step
+    _, st_f, _ = simulate_zero_one_adam(params, grads, layouts=lays, **hp, **{**sc, "var_freeze_step": n_steps})
     assert all(not e.any() for e in st_f["worker_errors"] + st_f["server_errors"]) and st_f["frozen"]
     print("self-check passed")
 
