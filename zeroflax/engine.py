@@ -104,6 +104,7 @@ class Engine:
         plan, source, accum = self.plan, self.source, self.config.grad_accum_steps
 
         def local(params, batch, rng, scale, model_state, sync_in):
+            params = self.sync.local_params(params, sync_in, sync_phase)
             params, sources = self.trace.gradient_sinks(params)
             micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
             device_rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))

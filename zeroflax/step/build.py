@@ -12,6 +12,7 @@ import optax
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim import onebit
 from zeroflax.optim.onebit_lamb import OneBitLamb
+from zeroflax.optim.zero_one_adam import ZeroOneAdam
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order
 from zeroflax.pipeline.schedule import build_schedule
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
@@ -25,6 +26,7 @@ from zeroflax.step.onebit_sync import OneBitSync, make_sync
 from zeroflax.step.parts import GradSource, GradSync, Update
 from zeroflax.step.phases import PhaseClock
 from zeroflax.step.pipelined import Pipelined
+from zeroflax.step.zero_one_sync import ZeroOneSync
 from zeroflax.step.scaler import LossScaler
 from zeroflax.step.state import TrainState
 from zeroflax.step.zero_sync import ZeroGradSync
@@ -92,16 +94,18 @@ def _source(config: Config, plan: ShardingPlan, has_model_state: bool) -> GradSo
 
 # The compressed optimizers and their syncs (their update takes the exchanged momentum: optim/onebit.py).
 COMPRESSED_SYNCS = {onebit.OneBitAdam: ("1-bit Adam", "onebit_adam", OneBitSync),
-                    OneBitLamb: ("1-bit LAMB", "onebit_lamb", OneBitLambSync)}
+                    OneBitLamb: ("1-bit LAMB", "onebit_lamb", OneBitLambSync),
+                    ZeroOneAdam: ("0/1 Adam", "zero_one_adam", ZeroOneSync)}
 
 
 def _onebit_sync(config: Config, plan: ShardingPlan, optimizer, abstract_params, zero: ZeroGradSync):
-    """The compressed sync when `optimizer` is `zeroflax.optim.onebit_adam` or `onebit_lamb`, after checking
+    """The compressed sync when `optimizer` is `zeroflax.optim.onebit_adam`, `onebit_lamb` or `zero_one_adam`, after checking
     what it composes with; None for any other optimizer."""
     if onebit.find_onebit(optimizer, abstract_params):
-        raise ConfigError("optimizer", "1-bit Adam or 1-bit LAMB is wrapped (an optax chain or wrapper): the "
+        raise ConfigError("optimizer", "1-bit Adam, 1-bit LAMB or 0/1 Adam is wrapped (an optax chain or wrapper): the "
                           "engine must exchange its momentum, so it has to be the optimizer itself",
-                          "pass zeroflax.optim.onebit_adam(...) or onebit_lamb(...) directly (Config.grad_clip clips)")
+                          "pass zeroflax.optim.onebit_adam(...), onebit_lamb(...) or zero_one_adam(...) directly "
+                          "(Config.grad_clip clips)")
     if type(optimizer) not in COMPRESSED_SYNCS:
         return None
     name, function, kind = COMPRESSED_SYNCS[type(optimizer)]

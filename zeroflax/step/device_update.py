@@ -54,11 +54,14 @@ class DeviceUpdate:
         grads = constrain_true(synced.grads, true_params, plan.grads)
         opt_view = constrain_true(state.opt_state, plan.abstract_opt_state, plan.opt_state)
         extra = {k: constrain_true(v, true_params, plan.grads) for k, v in synced.extra.items()}
+        extra.update(synced.options)
         params, opt_state, grad_norm, finite = apply_optimizer(
             self.optimizer, params_view, opt_view, grads, grad_clip=self.grad_clip,
             skips_nonfinite=self.skips_nonfinite, norm=synced.norm, extra=extra)
-        # On shards first: else XLA gathers the select's operands and the updated parameters apart.
-        params = jax.lax.with_sharding_constraint(params, plan.grads)
-        params = fit(params, true_params, plan.params)
+        if not synced.moves_params:  # the old ones, as stored: no all-gather of an unchanged copy
+            params = state.params
+        else:  # on shards first: else XLA gathers the select's operands and the updated parameters apart
+            params = jax.lax.with_sharding_constraint(params, plan.grads)
+            params = fit(params, true_params, plan.params)
         opt_state = fit(opt_state, plan.abstract_opt_state, plan.opt_state)
         return Updated(params, opt_state, grad_norm, jnp.asarray(finite))

@@ -291,6 +291,9 @@ class OneBitSync:
     def output_specs(self, phase: str):
         return P() if phase == WARMUP else (self.specs(), P())
 
+    def local_params(self, params, inputs, phase: str):
+        return params
+
     def per_microbatch(self, grads, phase: str):
         return self.zero.per_microbatch(grads) if phase == WARMUP else grads
 
@@ -316,13 +319,14 @@ class OneBitSync:
             return m if l.zero_dim is None or phase == FIRST else None
         return jax.tree.map(leaf, self.layouts, mu, is_leaf=_is_layout)
 
-    def local_gradients(self, grads):
-        """(this device's local gradient, clipped as `grad_clip` and `local_clip` say; the gradient norm:
-        with `grad_clip` and no `local_clip` the mean gradient's, estimated by the sketch, else the mean
-        over devices of the local gradients' norms). `grads` are this device's share 1/N of the mean, as
-        the engine weights the loss."""
+    def local_gradients(self, grads, local_clip: bool | None = None):
+        """(this device's local gradient, clipped as `grad_clip` and `local_clip` (default: the settings') say;
+        the gradient norm: with `grad_clip` and no `local_clip` the mean gradient's, estimated by the sketch,
+        else the mean over devices of the local gradients' norms). `grads` are this device's share 1/N of the
+        mean, as the engine weights the loss."""
+        local_clip = self.settings.local_clip if local_clip is None else local_clip
         local = jax.tree.map(lambda g: g.astype(jnp.float32) * self.data_size, grads)
-        if self.grad_clip > 0 and not self.settings.local_clip:  # one factor on every device: the exchanged
+        if self.grad_clip > 0 and not local_clip:  # one factor on every device: the exchanged
             # momentum follows the clipped mean gradient, whose norm the all-reduced sketch estimates
             norm = jnp.sqrt(jnp.sum(jnp.square(mean_all(norm_sketch(local), self.axis, self.zero.ordered))))
             return clip_to(local, norm, self.grad_clip), norm

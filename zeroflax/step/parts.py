@@ -31,7 +31,10 @@ class Synced:
     grads: Any  # what the optimizer takes as its gradient (1-bit Adam: the exchanged momentum)
     state: Any = None  # the sync's next state (TrainState.sync_state)
     norm: Any = None  # the gradient norm where the sync measured it (and clipped); None: the update does
-    extra: dict = dataclasses.field(default_factory=dict)  # keyword arguments of `optimizer.update`
+    extra: dict = dataclasses.field(default_factory=dict)  # keyword arguments of `optimizer.update` (param-shaped)
+    options: dict = dataclasses.field(default_factory=dict)  # other keyword arguments of `optimizer.update`
+    moves_params: bool = True  # False: the step leaves the parameters at rest as they are (0/1 Adam's local
+    # steps, where each device steps alone in the sync state), so the update keeps them without a collective
 
 
 @dataclasses.dataclass
@@ -76,6 +79,10 @@ class GradSync(Protocol):
         """(what `final` takes besides the gradients, read from the TrainState; its shard_map specs)."""
 
     def per_microbatch(self, grads, phase: str): ...
+
+    def local_params(self, params, inputs, phase: str):
+        """Per device: the parameters this device's loss is taken at (its own where devices step alone between
+        syncs, 0/1 Adam's local steps; else `params`)."""
 
     def final(self, grads, inputs, phase: str, scale) -> tuple[Any, Any]:
         """Per device: (the reduced gradients divided by the loss scale `scale`, outputs for `synced`). The

@@ -66,6 +66,9 @@ class ZeroGradSync:
     def inputs(self, state, phase: str = STEADY):
         return None, P()
 
+    def local_params(self, params, inputs, phase: str = STEADY):
+        return params
+
     def output_specs(self, phase: str = STEADY):
         return P()
 
