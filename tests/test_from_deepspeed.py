@@ -317,7 +317,7 @@ BAD = [  # (JSON path of the error, config, keywords)
     ("train_batch_size", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 3,
                           "gradient_accumulation_steps": 1}, {}),
     ("train_batch_size", load("megatron_gpt2_func_scheduler.json"), {}),  # 4 over 8 devices
-    ("optimizer.type", {"train_batch_size": 8, "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}}, {}),
+    ("optimizer.type", {"train_batch_size": 8, "optimizer": {"type": "Muon", "params": {"lr": 1e-3}}}, {}),
     ("optimizer.type", {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, {}),
     ("scheduler.type", {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {
         "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}}, {}),

@@ -139,3 +139,28 @@ def test_checkpoints_keep_each_devices_own_state(tmp_path):
     assert fewer.clock.phase(restored).startswith("freeze_")
     restored, _ = fewer.step(restored, {k: v[:4] for k, v in grads[13].items()})
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.params))
+
+
+BERT = ("tests/data/deepspeed_corpus/deepspeedai__DeepSpeedExamples/"
+        "training__bing_bert__01_adam__mpi_ethernet__deepspeed_bsz4k_01adam_config_seq128_mpi_ethernet.json")
+
+
+def test_a_real_zerooneadam_config_imports():
+    """DeepSpeedExamples' BERT config (ZeroOneAdam, fp16, var_freeze_step 12500): its params reach zero_one_adam
+    with DeepSpeed's defaults for the rest, the moot keys are said, fp16 takes DeepSpeed's fused wrapper's loss
+    scaling (hysteresis 1), and the engine syncs with ZeroOneSync."""
+    import os
+
+    from zeroflax import from_deepspeed
+    from zeroflax.step.zero_one_sync import ZeroOneSync
+
+    imported = from_deepspeed(os.path.join(os.path.dirname(__file__), "..", BERT), world_size=N)
+    settings = imported.optimizer.settings
+    assert (settings.var_freeze_step, settings.var_update_scaler, settings.local_step_scaler,
+            settings.local_step_clipper, settings.weight_decay) == (12500, 16, 32678, 16, 0.01)
+    assert imported.hyperparameters["type"] == "ZeroOneAdam" and imported.config.loss_scale.hysteresis == 1
+    assert any("bias_correction" in n for n in imported.notes)
+    config = imported.config.replace(micro_batch_size=1, grad_accum_steps=1, train_batch_size=None, precision="fp32",
+                                     persistence_threshold=THRESHOLD, remat="none")
+    engine, state = zeroflax.initialize(linear_loss, problem(0)[0], imported.optimizer, config)
+    assert isinstance(engine.sync, ZeroOneSync) and engine.clock.phase(state) == "full"

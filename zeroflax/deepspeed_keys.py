@@ -255,6 +255,11 @@ ONEBIT_LAMB_PARAMS = {"lr": 1e-3, "freeze_step": 100000, "betas": [0.9, 0.999], 
 ONEBIT_LAMB_MOOT = {"bias_correction": "DeepSpeed's 1-bit LAMB never applies bias correction, whatever this says",
                     "eps_inside_sqrt": "DeepSpeed's 1-bit LAMB ignores it: eps is added outside the square root",
                     "cuda_aware": "collectives are XLA's", "comm_backend_name": "collectives are XLA's"}
+ZERO_ONE_PARAMS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "var_freeze_step": 100000,
+                   "var_update_scaler": 16, "local_step_scaler": 32678, "local_step_clipper": 16, "amsgrad": False}
+ZERO_ONE_MOOT = {"bias_correction": "DeepSpeed's 0/1 Adam never applies bias correction, whatever this says",
+                 "eps_inside_sqrt": "DeepSpeed's 0/1 Adam ignores it: eps is added outside the square root",
+                 "cuda_aware": "collectives are XLA's", "comm_backend_name": "collectives are XLA's"}
 LAMB_PARAMS = {"lr": 1e-3, "bias_correction": True, "betas": [0.9, 0.999], "eps": 1e-8, "eps_inside_sqrt": False,
                "weight_decay": 0.0, "max_coeff": 10.0, "min_coeff": 0.01, "amsgrad": False}
 SCHEDULER_PARAMS = {
@@ -288,7 +293,6 @@ SPARSE_MODES = {
                                                     "global_block_end_indices": None, **_ATT}),
 }
 OPTIMIZERS_REFUSED = {
-    "zerooneadam": "0/1 Adam is not built",
     "adagrad": "torch's Adagrad adds eps outside the square root and starts its accumulator at 0; not built",
     "lion": "not mapped (optax.lion is DeepSpeed's Lion: pass it as your own optimizer)",
     "muadam": "muP optimizers are not built", "muadamw": "muP optimizers are not built",
@@ -340,7 +344,10 @@ def render_markdown() -> str:
             + ", ".join(f"`{k}`" for k in ONEBIT_MOOT) + " |",
             "| `OneBitLamb`, `OnebitLamb` | `zeroflax.optim.onebit_lamb` | "
             + ", ".join(f"`{k}` {v!r}" for k, v in ONEBIT_LAMB_PARAMS.items()) + "; moot: "
-            + ", ".join(f"`{k}`" for k in ONEBIT_LAMB_MOOT) + " |"]
+            + ", ".join(f"`{k}`" for k in ONEBIT_LAMB_MOOT) + " |",
+            "| `ZeroOneAdam` | `zeroflax.optim.zero_one_adam` | "
+            + ", ".join(f"`{k}` {v!r}" for k, v in ZERO_ONE_PARAMS.items()) + "; moot: "
+            + ", ".join(f"`{k}`" for k in ZERO_ONE_MOOT) + " |"]
     out += [f"| `{k}` | refused: {v} | |" for k, v in OPTIMIZERS_REFUSED.items()]
     out += ["", "### Schedulers", "", "| `scheduler.type` | zeroflax.optim.schedules | params (DeepSpeed's defaults; "
             "None: required, or the optimizer's lr for warmup_max_lr) |", "|---|---|---|"]

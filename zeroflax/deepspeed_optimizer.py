@@ -3,7 +3,8 @@
 Adam and AdamW become `deepspeed_adam` (the arithmetic of DeepSpeed's FusedAdam, CPU Adam and torch
 Adam/AdamW: eps outside the square root, adam_w_mode, bias_correction, torch_adam) under
 `optax.inject_hyperparams`; Lamb becomes `deepspeed_lamb` (FusedLamb's arithmetic, zeroflax/optim/lamb.py), and
-OneBitAdam and OneBitLamb zeroflax.optim.onebit_adam and onebit_lamb. `read_optimizer` reads and checks
+OneBitAdam, OneBitLamb and ZeroOneAdam zeroflax.optim.onebit_adam, onebit_lamb and zero_one_adam.
+`read_optimizer` reads and checks
 the block ("auto" was resolved before, deepspeed_auto.py); `build_optimizer` builds the optimizer once the
 learning-rate schedule (deepspeed_scheduler.py) is known.
 """
@@ -21,8 +22,10 @@ from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_
 from zeroflax.optim.lamb import deepspeed_lamb
 from zeroflax.optim.onebit import onebit_adam
 from zeroflax.optim.onebit_lamb import onebit_lamb
+from zeroflax.optim.zero_one_adam import zero_one_adam
 
-COMPRESSED = {"onebitadam": "OneBitAdam", "onebitlamb": "OneBitLamb"}  # the momentum exchanged as signs
+# The optimizers whose exchange is compressed to signs (the engine's sync parts do it).
+COMPRESSED = {"onebitadam": "OneBitAdam", "onebitlamb": "OneBitLamb", "zerooneadam": "ZeroOneAdam"}
 
 
 class _Moments(NamedTuple):
@@ -69,6 +72,8 @@ def _optimizer_params(ds: dict, kind: str, notes: list) -> dict:
         takes, moot = keys.ONEBIT_PARAMS, keys.ONEBIT_MOOT
     elif kind == "onebitlamb":
         takes, moot = keys.ONEBIT_LAMB_PARAMS, keys.ONEBIT_LAMB_MOOT
+    elif kind == "zerooneadam":
+        takes, moot = keys.ZERO_ONE_PARAMS, keys.ZERO_ONE_MOOT
     elif kind == "lamb":
         takes, moot = keys.LAMB_PARAMS, {}
     else:
@@ -100,11 +105,12 @@ def read_optimizer(ds: dict, notes: list) -> tuple[str, dict] | None:
     kind = name.lower()  # DeepSpeed lower-cases the names of its own optimizers
     if kind in keys.OPTIMIZERS_REFUSED:
         raise ConfigError("optimizer.type", f"{name!r} is refused: {keys.OPTIMIZERS_REFUSED[kind]}",
-                          "use Adam, AdamW, Lamb, OneBitAdam or OneBitLamb, or pass your own optax optimizer (drop the block)")
-    if kind not in ("adam", "adamw", "lamb", "onebitadam", "onebitlamb"):
+                          "use Adam, AdamW, Lamb, OneBitAdam, OneBitLamb or ZeroOneAdam, or pass your own optax optimizer "
+                          "(drop the block)")
+    if kind not in ("adam", "adamw", "lamb", *COMPRESSED):
         raise ConfigError("optimizer.type", f"{name!r} is not mapped (DeepSpeed would build torch.optim.{name})",
-                          "use Adam, AdamW, Lamb, OneBitAdam or OneBitLamb, or pass your own optax optimizer (drop the "
-                          "block)")
+                          "use Adam, AdamW, Lamb, OneBitAdam, OneBitLamb or ZeroOneAdam, or pass your own optax "
+                          "optimizer (drop the block)")
     p = _optimizer_params(ds, kind, notes)
     path = "optimizer.params."
     p["lr"] = as_number(p["lr"], path + "lr")
@@ -114,8 +120,12 @@ def read_optimizer(ds: dict, notes: list) -> tuple[str, dict] | None:
     if as_bool(p["amsgrad"], path + "amsgrad"):
         raise ConfigError(path + "amsgrad", "refused: AMSGrad is not built (DeepSpeed's fused and 1-bit Adam refuse "
                           "it too)", "set it false")
-    if kind in COMPRESSED:
+    if kind in ("onebitadam", "onebitlamb"):
         p["freeze_step"] = as_int(p["freeze_step"], path + "freeze_step", 0)
+    if kind == "zerooneadam":
+        p["var_freeze_step"] = as_int(p["var_freeze_step"], path + "var_freeze_step", 0)
+        for key in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            p[key] = as_int(p[key], path + key, 1)
     if kind == "lamb":
         for key in ("bias_correction", "eps_inside_sqrt"):
             p[key] = as_bool(p[key], path + key)
@@ -150,15 +160,16 @@ def fp16_loss_scaling(spec, precision: str, settings, notes: list) -> None:
     """DeepSpeed wraps OnebitAdam under fp16 in its FP16_Optimizer (runtime/fp16/fused_optimizer.py), whose
     dynamic loss scale halves on every overflow: it ignores fp16.hysteresis. zeroflax's scaler does the same
     with hysteresis 1; an overflowing step is skipped whole, the 1-bit exchange's error buffers included."""
-    if spec is None or spec[0] != "onebitadam" or precision != "fp16":
+    if spec is None or spec[0] not in ("onebitadam", "zerooneadam") or precision != "fp16":
         return
     settings.set("LossScaleConfig.hysteresis", 1, "fp16.hysteresis", written=False)
-    notes.append("fp16 with OneBitAdam: DeepSpeed's FP16_Optimizer halves the loss scale on every overflow "
+    notes.append(f"fp16 with {COMPRESSED[spec[0]]}: DeepSpeed's FP16_Optimizer halves the loss scale on every overflow "
                  "(fp16.hysteresis is ignored, as there: hysteresis 1) and skips the step whole; a skipped step does "
                  "not count towards freeze_step")
 
 
-_FUNCTION = {"onebitadam": "onebit_adam", "onebitlamb": "onebit_lamb"}
+_FUNCTION = {"onebitadam": "onebit_adam", "onebitlamb": "onebit_lamb", "zerooneadam": "zero_one_adam"}
+_ZERO_ONE_EXTRA = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
 _LAMB_EXTRA = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")
 
 
@@ -181,13 +192,16 @@ def build_optimizer(spec, schedule, stage: int, precision: str, default_optimize
         if stage:
             notes.append(f"optimizer.type: {name} at ZeRO stage {stage}: DeepSpeed forbids it, zeroflax "
                          "compresses each device's ZeRO shard (docs/onebit_adam.md)")
-        notes.append(f"optimizer.type: {name}: after freeze_step, gradient_clipping scales every device's local "
+        when = "in its 1-bit gradient steps" if kind == "zerooneadam" else "after freeze_step"
+        notes.append(f"optimizer.type: {name}: {when}, gradient_clipping scales every device's local "
                      "gradient by one factor from the mean gradient's norm (estimated by an all-reduced sketch); "
                      f"DeepSpeed clips each local gradient by its own norm, which is {_FUNCTION[kind]}(local_clip=True) "
-                     "(docs/onebit_adam.md)")
-        common = dict(b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"], freeze_step=p["freeze_step"])
-        extra = {k: p[k] for k in _LAMB_EXTRA} if kind == "onebitlamb" else {}
-        optimizer = (onebit_lamb if kind == "onebitlamb" else onebit_adam)(learning_rate, **common, **extra)
+                     + ("(its local steps always clip so) " if kind == "zerooneadam" else "") + "(docs/onebit_adam.md)")
+        common = dict(b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"])
+        extra = {k: p[k] for k in {"onebitadam": ("freeze_step",), "onebitlamb": ("freeze_step", *_LAMB_EXTRA),
+                                   "zerooneadam": _ZERO_ONE_EXTRA}[kind]}
+        build = {"onebitadam": onebit_adam, "onebitlamb": onebit_lamb, "zerooneadam": zero_one_adam}[kind]
+        optimizer = build(learning_rate, **common, **extra)
         return optimizer, dict(type=name, lr=p["lr"], **common, **extra)
     if kind == "lamb":
         notes.append("optimizer.type: Lamb: FusedLamb's trust ratio on each whole leaf, partitioned or not (DeepSpeed's "

@@ -31,8 +31,9 @@ from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
 from zeroflax.optim.clipping import all_finite
 from zeroflax.optim.onebit import onebit_adam
 from zeroflax.optim.onebit_lamb import onebit_lamb
+from zeroflax.optim.zero_one_adam import zero_one_adam
 
-OPTIMIZERS = ("adamw", "onebit_adam", "onebit_lamb")
+OPTIMIZERS = ("adamw", "onebit_adam", "onebit_lamb", "zero_one_adam")
 ADAM_BETAS = (0.9, 0.95)  # the main job's Adam betas and eps (also "auto" in a DeepSpeed JSON's optimizer)
 ADAM_EPS = 1e-8
 
@@ -45,11 +46,12 @@ class TrainConfig:
     steps: optimizer steps in total (the learning-rate schedule spans them).
     checkpoint_every / keep_checkpoints: save every K steps, keep the newest N (and always the last).
     eval_every: validation every K steps (0: only before and after); eval_batches: batches per validation.
-    optimizer: 'adamw', 'onebit_adam' or 'onebit_lamb' (zeroflax.optim.onebit_adam / onebit_lamb with the
-        same betas, learning-rate schedule and weight decay; LAMB's learning rate is the step relative to each
-        layer's weight norm, so it wants its own) whose warm-up lasts `freeze_step` steps; `onebit_local_clip`
-        gives them DeepSpeed's clipping in the compressed phase (each device clips its local gradient)
-        instead of one factor from the mean gradient's sketched norm (docs/onebit_adam.md).
+    optimizer: 'adamw', 'onebit_adam', 'onebit_lamb' or 'zero_one_adam' (zeroflax.optim.onebit_adam /
+        onebit_lamb / zero_one_adam with the same betas, learning-rate schedule and weight decay; LAMB's learning
+        rate is the step relative to each layer's weight norm, so it wants its own) whose warm-up lasts
+        `freeze_step` steps (0/1 Adam: var_freeze_step; its other intervals DeepSpeed's defaults);
+        `onebit_local_clip` gives them DeepSpeed's clipping in the compressed phase (each device clips its
+        local gradient) instead of one factor from the mean gradient's sketched norm (docs/onebit_adam.md).
     init_from: a safetensors file (`zeroflax export`) the run's parameters start from; the optimizer state
         starts fresh. A resumed run continues from its checkpoint (which started from the same file); resuming
         one that started from another file, or from none, is refused as ambiguous (docs/export.md).
@@ -120,6 +122,9 @@ def make_optimizer(tc: TrainConfig, schedule=None) -> optax.GradientTransformati
     if tc.optimizer == "onebit_lamb":
         return onebit_lamb(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay,
                            freeze_step=tc.freeze_step, local_clip=tc.onebit_local_clip)
+    if tc.optimizer == "zero_one_adam":
+        return zero_one_adam(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay,
+                             var_freeze_step=tc.freeze_step, local_clip=tc.onebit_local_clip)
     return optax.adamw(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay)
 
 
