@@ -164,3 +164,20 @@ def test_a_real_zerooneadam_config_imports():
                                      persistence_threshold=THRESHOLD, remat="none")
     engine, state = zeroflax.initialize(linear_loss, problem(0)[0], imported.optimizer, config)
     assert isinstance(engine.sync, ZeroOneSync) and engine.clock.phase(state) == "full"
+
+
+def test_refused_where_it_cannot_run():
+    """Wrapped in a chain (the engine must own its exchange) and at ZeRO stage 3 (no device holds its local
+    gradient): each a ConfigError naming the key."""
+    import optax
+
+    from zeroflax import ConfigError
+
+    params = problem(0)[0]
+    config = zeroflax.Config(micro_batch_size=1, persistence_threshold=THRESHOLD, remat="none")
+    with pytest.raises(ConfigError) as error:
+        zeroflax.initialize(linear_loss, params, optax.chain(zero_one_adam(1e-3)), config)
+    assert error.value.key == "optimizer" and "0/1 Adam" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        zeroflax.initialize(linear_loss, params, zero_one_adam(1e-3), config.replace(zero_stage=3, remat="dots"))
+    assert error.value.key == "Config.zero_stage" and "zero_one_adam" in str(error.value)

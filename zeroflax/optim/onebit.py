@@ -127,15 +127,3 @@ def onebit_adam(learning_rate: float | Callable = 1e-3, b1: float = 0.9, b2: flo
         return OneBitAdamState(jnp.zeros((), jnp.int32), zeros, jax.tree.map(jnp.zeros_like, params))
 
     return OneBitAdam(init, _Update(settings))
-
-
-def find_onebit(optimizer, abstract_params) -> bool:
-    """Whether a 1-bit Adam or 1-bit LAMB state hides inside `optimizer` (a chain, a wrapper) without being it."""
-    from zeroflax.optim.onebit_lamb import OneBitLambState  # they import this module
-    from zeroflax.optim.zero_one_adam import ZeroOneAdamState
-
-    if isinstance(optimizer, CompressedMomentum):
-        return False
-    kinds = (OneBitAdamState, OneBitLambState, ZeroOneAdamState)
-    state = jax.eval_shape(optimizer.init, abstract_params)
-    return any(isinstance(x, kinds) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kinds)))

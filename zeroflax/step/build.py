@@ -11,8 +11,8 @@ import optax
 
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim import onebit
-from zeroflax.optim.onebit_lamb import OneBitLamb
-from zeroflax.optim.zero_one_adam import ZeroOneAdam
+from zeroflax.optim.onebit_lamb import OneBitLamb, OneBitLambState
+from zeroflax.optim.zero_one_adam import ZeroOneAdam, ZeroOneAdamState
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order
 from zeroflax.pipeline.schedule import build_schedule
 from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
@@ -98,10 +98,19 @@ COMPRESSED_SYNCS = {onebit.OneBitAdam: ("1-bit Adam", "onebit_adam", OneBitSync)
                     ZeroOneAdam: ("0/1 Adam", "zero_one_adam", ZeroOneSync)}
 
 
+def _wrapped_compressed(optimizer, abstract_params) -> bool:
+    """Whether a compressed optimizer's state hides inside `optimizer` (a chain, a wrapper) without being it."""
+    if isinstance(optimizer, onebit.CompressedMomentum):
+        return False
+    kinds = (onebit.OneBitAdamState, OneBitLambState, ZeroOneAdamState)
+    state = jax.eval_shape(optimizer.init, abstract_params)
+    return any(isinstance(x, kinds) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kinds)))
+
+
 def _onebit_sync(config: Config, plan: ShardingPlan, optimizer, abstract_params, zero: ZeroGradSync):
     """The compressed sync when `optimizer` is `zeroflax.optim.onebit_adam`, `onebit_lamb` or `zero_one_adam`, after checking
     what it composes with; None for any other optimizer."""
-    if onebit.find_onebit(optimizer, abstract_params):
+    if _wrapped_compressed(optimizer, abstract_params):
         raise ConfigError("optimizer", "1-bit Adam, 1-bit LAMB or 0/1 Adam is wrapped (an optax chain or wrapper): the "
                           "engine must exchange its momentum, so it has to be the optimizer itself",
                           "pass zeroflax.optim.onebit_adam(...), onebit_lamb(...) or zero_one_adam(...) directly "

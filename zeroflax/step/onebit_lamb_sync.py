@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeroflax.kernels.onebit_pack import unpack_signs
 from zeroflax.sharding.collectives import cut_padding
-from zeroflax.step.onebit_sync import (COMPRESSED, FIRST, WARMUP, Layout, LeafSync, OneBitSync, _is_layout,
+from zeroflax.step.onebit_sync import (COMPRESSED, FIRST, WARMUP, Layout, LeafSync, OneBitSync, is_layout,
                                        exchange_rows)
 
 
@@ -104,7 +104,7 @@ class OneBitLambSync(OneBitSync):
 
     @property
     def united(self) -> UnitedLayout:
-        return UnitedLayout(tuple(jax.tree.leaves(self.layouts, is_leaf=_is_layout)))
+        return UnitedLayout(tuple(jax.tree.leaves(self.layouts, is_leaf=is_layout)))
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -127,13 +127,13 @@ class OneBitLambSync(OneBitSync):
         buffer = LeafSync(jnp.zeros((n, n, c), jnp.float32), jnp.zeros((n, c), jnp.float32),
                           jnp.zeros((n, c // 8), jnp.uint8) if packed else None,
                           jnp.zeros((n,), jnp.float32) if packed else None)
-        scaling = jax.tree.map(lambda _: jnp.zeros((), jnp.float32), self.layouts, is_leaf=_is_layout)
+        scaling = jax.tree.map(lambda _: jnp.zeros((), jnp.float32), self.layouts, is_leaf=is_layout)
         return LambSyncState(buffer, scaling, jnp.asarray(-1, jnp.int32))
 
     def specs(self) -> LambSyncState:
         packed = self.united.partitioned
         buffer = LeafSync(P(self.axis), P(self.axis), P() if packed else None, P() if packed else None)
-        return LambSyncState(buffer, jax.tree.map(lambda _: P(), self.layouts, is_leaf=_is_layout), P())
+        return LambSyncState(buffer, jax.tree.map(lambda _: P(), self.layouts, is_leaf=is_layout), P())
 
     def state_bytes(self) -> int:
         n, c = self.data_size, self.united.cols
@@ -145,7 +145,7 @@ class OneBitLambSync(OneBitSync):
         s = self.settings
         united = self.united
         local, norm = self.local_gradients(grads)
-        treedef = jax.tree.structure(self.layouts, is_leaf=_is_layout)
+        treedef = jax.tree.structure(self.layouts, is_leaf=is_layout)
         layouts = united.layouts
         prev = treedef.flatten_up_to(mu_prev)
         scaling = treedef.flatten_up_to(sync.scaling)

@@ -168,7 +168,7 @@ def exchange_rows(x, worker_error, server_error, axis: str = DATA_AXIS, impl: st
 
 
 # ----------------------------------------------------------------------------------------- the sync
-def _is_layout(x) -> bool:
+def is_layout(x) -> bool:
     return isinstance(x, Layout)
 
 
@@ -186,11 +186,11 @@ class OneBitSync:
 
     @property
     def data_size(self) -> int:
-        return jax.tree.leaves(self.layouts, is_leaf=_is_layout)[0].rows
+        return jax.tree.leaves(self.layouts, is_leaf=is_layout)[0].rows
 
     @property
     def partitioned(self) -> bool:
-        return any(l.zero_dim is not None for l in jax.tree.leaves(self.layouts, is_leaf=_is_layout))
+        return any(l.zero_dim is not None for l in jax.tree.leaves(self.layouts, is_leaf=is_layout))
 
     # ------------------------------------------------------------------------------------ phases
     @property
@@ -230,7 +230,7 @@ class OneBitSync:
                             jnp.zeros((n, c // 8), jnp.uint8) if packed else None,
                             jnp.zeros((n,), jnp.float32) if packed else None)
 
-        return SyncState(jax.tree.map(leaf, self.layouts, is_leaf=_is_layout), jnp.asarray(-1, jnp.int32))
+        return SyncState(jax.tree.map(leaf, self.layouts, is_leaf=is_layout), jnp.asarray(-1, jnp.int32))
 
     def specs(self) -> SyncState:
         """shard_map specs (and, on the mesh, the at-rest placement) of the sync state: the errors are each
@@ -239,7 +239,7 @@ class OneBitSync:
             packed = l.zero_dim is not None
             return LeafSync(P(self.axis), P(self.axis), P() if packed else None, P() if packed else None)
 
-        return SyncState(jax.tree.map(leaf, self.layouts, is_leaf=_is_layout), P())
+        return SyncState(jax.tree.map(leaf, self.layouts, is_leaf=is_layout), P())
 
     def shardings(self, mesh) -> SyncState:
         return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs(),
@@ -247,14 +247,14 @@ class OneBitSync:
 
     def buffer_cols(self) -> list[int]:
         """The columns C of each buffer the compressed all-reduce exchanges (one per leaf)."""
-        return [l.cols for l in jax.tree.leaves(self.layouts, is_leaf=_is_layout)]
+        return [l.cols for l in jax.tree.leaves(self.layouts, is_leaf=is_layout)]
 
     def state_bytes(self) -> int:
         """The sync state's bytes per device, by the layouts: per leaf the worker error (4 N C), the server
         error (4 C) and, for a partitioned leaf, the last exchange's bits and scales (N C / 8 + 4 N); and the
         step of that exchange."""
         return sum(4 * l.rows * l.cols + 4 * l.cols + (l.rows * (l.cols // 8 + 4) if l.zero_dim is not None else 0)
-                   for l in jax.tree.leaves(self.layouts, is_leaf=_is_layout)) + 4
+                   for l in jax.tree.leaves(self.layouts, is_leaf=is_layout)) + 4
 
     def data_axis_bytes(self, zero_bytes: float, stage: int, grad_bytes: int, phase: str) -> float:
         """Its theory for the communication report: ZeRO's volume (`zero_bytes`) during warm-up; in a
@@ -266,7 +266,7 @@ class OneBitSync:
         sketch (fp32, SKETCH_BUCKETS)."""
         if phase == WARMUP:
             return zero_bytes
-        layouts = jax.tree.leaves(self.layouts, is_leaf=_is_layout)
+        layouts = jax.tree.leaves(self.layouts, is_leaf=is_layout)
         n = self.data_size
         share = (n - 1) / n
         exchange = sum((n - 1) * (cols / 4 + 8) for cols in self.buffer_cols())
@@ -317,7 +317,7 @@ class OneBitSync:
         at-rest momentum where it is whole (or gathered: 'first'), else None (decompressed from the bits)."""
         def leaf(l: Layout, m):
             return m if l.zero_dim is None or phase == FIRST else None
-        return jax.tree.map(leaf, self.layouts, mu, is_leaf=_is_layout)
+        return jax.tree.map(leaf, self.layouts, mu, is_leaf=is_layout)
 
     def local_gradients(self, grads, local_clip: bool | None = None):
         """(this device's local gradient, clipped as `grad_clip` and `local_clip` (default: the settings') say;
@@ -362,8 +362,8 @@ class OneBitSync:
                 return l.from_rows(unpack_signs(all_bits, all_scales, average=False, impl=self.impl)), new
             return l.shard_of_row(mine), new
 
-        leaves = jax.tree.leaves(self.layouts, is_leaf=_is_layout)
-        treedef = jax.tree.structure(self.layouts, is_leaf=_is_layout)
+        leaves = jax.tree.leaves(self.layouts, is_leaf=is_layout)
+        treedef = jax.tree.structure(self.layouts, is_leaf=is_layout)
         prev = treedef.flatten_up_to(mu_prev)
         states = treedef.flatten_up_to(sync.leaves)
         out = [leaf(l, g, p, st) for l, g, p, st in zip(leaves, jax.tree.leaves(local), prev, states)]

@@ -32,7 +32,7 @@ from zeroflax.kernels.onebit_pack import unpack_signs
 from zeroflax.optim.zero_one_adam import FULL, LOCAL, ONEBIT_GRAD, SYNC, Schedule, advance, kind_of
 from zeroflax.sharding.collectives import cut_padding
 from zeroflax.sharding.policy import is_placement
-from zeroflax.step.onebit_sync import SKETCH_BUCKETS, Layout, OneBitSync, _is_layout, exchange
+from zeroflax.step.onebit_sync import SKETCH_BUCKETS, Layout, OneBitSync, is_layout, exchange
 from zeroflax.step.parts import Synced
 from zeroflax.step.zero_sync import unscale
 
@@ -94,7 +94,7 @@ class ZeroOneSync(OneBitSync):
 
     # ------------------------------------------------------------------------------- state, placement
     def _leaves(self):
-        return jax.tree.leaves(self.layouts, is_leaf=_is_layout)
+        return jax.tree.leaves(self.layouts, is_leaf=is_layout)
 
     def init_state(self) -> ZeroOneSyncState:
         def leaf(l: Layout):
@@ -103,7 +103,7 @@ class ZeroOneSync(OneBitSync):
                                jnp.zeros((n,) + l.shape, jnp.float32), jnp.zeros((n,) + l.shape, jnp.float32),
                                jnp.zeros(l.shape, jnp.float32) if l.zero_dim is not None else None)
 
-        return ZeroOneSyncState(jax.tree.map(leaf, self.layouts, is_leaf=_is_layout), jnp.zeros((), jnp.float32),
+        return ZeroOneSyncState(jax.tree.map(leaf, self.layouts, is_leaf=is_layout), jnp.zeros((), jnp.float32),
                                 jnp.zeros((), jnp.int32))
 
     def specs(self) -> ZeroOneSyncState:
@@ -111,7 +111,7 @@ class ZeroOneSync(OneBitSync):
             mine = P(self.axis)
             return ZeroOneLeaf(mine, mine, mine, mine, P() if l.zero_dim is not None else None)
 
-        return ZeroOneSyncState(jax.tree.map(leaf, self.layouts, is_leaf=_is_layout), P(), P())
+        return ZeroOneSyncState(jax.tree.map(leaf, self.layouts, is_leaf=is_layout), P(), P())
 
     def state_bytes(self) -> int:
         """Per device and leaf: the worker and server errors (4 N C + 4 C), its own momentum and accumulator
@@ -155,7 +155,7 @@ class ZeroOneSync(OneBitSync):
             return (None, None, None, state.sync_state, state.opt_state.count), (None, None, None, self.specs(), P())
         freeze = phase in (FREEZE_LOCAL, FREEZE_SYNC)
         nu = jax.tree.map(lambda l, v: v if l.zero_dim is None or freeze else None, self.layouts,
-                          state.opt_state.nu, is_leaf=_is_layout)
+                          state.opt_state.nu, is_leaf=is_layout)
         mu = state.opt_state.mu if freeze else None
         whole = lambda tree: None if tree is None else jax.tree.map(
             lambda p, x: None if x is None else p.pipe_spec(), self.zero.placements, tree, is_leaf=is_placement)
@@ -198,7 +198,7 @@ class ZeroOneSync(OneBitSync):
 
     # --------------------------------------------------------------------------------------- helpers
     def _tree(self):
-        return jax.tree.structure(self.layouts, is_leaf=_is_layout)
+        return jax.tree.structure(self.layouts, is_leaf=is_layout)
 
     def _compress(self, l: Layout, x, leaf: ZeroOneLeaf):
         """(the result of the compressed all-reduce of x: whole and, for a partitioned leaf, this device's
