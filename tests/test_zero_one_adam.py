@@ -181,3 +181,18 @@ def test_refused_where_it_cannot_run():
     with pytest.raises(ConfigError) as error:
         zeroflax.initialize(linear_loss, params, zero_one_adam(1e-3), config.replace(zero_stage=3, remat="dots"))
     assert error.value.key == "Config.zero_stage" and "zero_one_adam" in str(error.value)
+
+
+def test_sync_steps_fold_weight_decay_into_the_momentum():
+    """DeepSpeed's rule, kept: a sync step sets the momentum from the exchanged accumulator, which holds the
+    weight-decay step too, so each frozen step decays by about lr x wd / (1 - b1), 10x AdamW's. Measured on the
+    simulation (which zeroflax equals, above): with zero gradients after the freeze the parameters shrink by
+    11.5 x lr x wd per step (the momentum lags the shrinking parameters). Hence wd 0.01 in the main job."""
+    ones = [np.ones((16,), np.float32)]
+    lr, wd = 1e-2, 0.1
+    grads = lambda t, k: [np.full((16,), 1.0 if t <= 2 else 0.0, np.float32)]
+    ends = [simulate_zero_one_adam(ones, grads, n_workers=2, n_steps=steps, lr=lr, b1=0.9, b2=0.999, eps=1e-8,
+                                   weight_decay=wd, var_freeze_step=2, var_update_scaler=16, local_step_scaler=10**6,
+                                   local_step_clipper=16, layouts=[("flat",)])[0][0][0][0] for steps in (60, 61)]
+    rate = 1 - float(ends[1] / ends[0])
+    assert 9 * lr * wd < rate < 13 * lr * wd, rate

@@ -36,6 +36,11 @@ from zeroflax.optim.zero_one_adam import zero_one_adam
 OPTIMIZERS = ("adamw", "onebit_adam", "onebit_lamb", "zero_one_adam")
 ADAM_BETAS = (0.9, 0.95)  # the main job's Adam betas and eps (also "auto" in a DeepSpeed JSON's optimizer)
 ADAM_EPS = 1e-8
+# 1-bit LAMB's own: DeepSpeed's default b2 and the max_coeff of DeepSpeedExamples' 1-bit LAMB configs. With
+# max_coeff 10 the main job diverged in the compressed phase (lr 1e-2 and 3e-2, b2 0.95 or 0.999); with these
+# two it ends level with AdamW (docs/onebit_adam.md, "1-bit LAMB": the runs).
+LAMB_B2 = 0.999
+LAMB_MAX_COEFF = 0.3
 
 
 @configurable
@@ -47,8 +52,9 @@ class TrainConfig:
     checkpoint_every / keep_checkpoints: save every K steps, keep the newest N (and always the last).
     eval_every: validation every K steps (0: only before and after); eval_batches: batches per validation.
     optimizer: 'adamw', 'onebit_adam', 'onebit_lamb' or 'zero_one_adam' (zeroflax.optim.onebit_adam /
-        onebit_lamb / zero_one_adam with the same betas, learning-rate schedule and weight decay; LAMB's learning
-        rate is the step relative to each layer's weight norm, so it wants its own) whose warm-up lasts
+        onebit_lamb / zero_one_adam with the same betas, learning-rate schedule and weight decay; 1-bit LAMB
+        takes b2 0.999 and max_coeff 0.3 (LAMB_B2, LAMB_MAX_COEFF), and its learning rate is the step relative
+        to each layer's weight norm, so it wants its own: 3e-2 in the main job) whose warm-up lasts
         `freeze_step` steps (0/1 Adam: var_freeze_step; its other intervals DeepSpeed's defaults);
         `onebit_local_clip` gives them DeepSpeed's clipping in the compressed phase (each device clips its
         local gradient) instead of one factor from the mean gradient's sketched norm (docs/onebit_adam.md).
@@ -120,8 +126,8 @@ def make_optimizer(tc: TrainConfig, schedule=None) -> optax.GradientTransformati
         return onebit_adam(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay,
                            freeze_step=tc.freeze_step, local_clip=tc.onebit_local_clip)
     if tc.optimizer == "onebit_lamb":
-        return onebit_lamb(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay,
-                           freeze_step=tc.freeze_step, local_clip=tc.onebit_local_clip)
+        return onebit_lamb(schedule, b1=b1, b2=LAMB_B2, eps=ADAM_EPS, weight_decay=tc.weight_decay,
+                           freeze_step=tc.freeze_step, max_coeff=LAMB_MAX_COEFF, local_clip=tc.onebit_local_clip)
     if tc.optimizer == "zero_one_adam":
         return zero_one_adam(schedule, b1=b1, b2=b2, eps=ADAM_EPS, weight_decay=tc.weight_decay,
                              var_freeze_step=tc.freeze_step, local_clip=tc.onebit_local_clip)

@@ -16,7 +16,8 @@ Its phases follow the optimizer's schedule (`optim/zero_one_adam.py`'s `step_kin
 The parameters at rest are the last sync's, the same on every device, so checkpoints, evaluation and
 `model_params` see them; a device's own parameters are those plus its accumulator (TrainState.sync_state).
 Local steps clip each device's gradient by its own norm (DeepSpeed's rule): a device that steps alone
-follows its own gradient, and an all-reduced sketch would cost the round the local step saves.
+follows its own gradient, and an all-reduced sketch would cost the round the local step saves. The steps
+that communicate anyway (1-bit gradient, sync) clip as 1-bit Adam's compressed phase does (`local_clip`).
 """
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ class ZeroOneSync(OneBitSync):
         workers' signs and the all-gather of their scales ((N-1) (C/8 + 4)), and the all-gather of the servers'
         ((N-1) (C/8 + 4) again) where every device needs the whole result (a sync step; a leaf ZeRO keeps
         whole), and, at stages 1-2, the all-gather of the updated parameters; with clipping by the sketched mean
-        norm, its all-reduce ('onebit_grad' only: local steps clip locally); the first frozen step's
+        norm, its all-reduce (not in local steps, which clip locally); the first frozen step's
         all-gathers of the momentum and variance where ZeRO partitions them; and every step's all-reduce of the
         loss and the gradient norm (8 bytes)."""
         if phase == FULL:
@@ -139,7 +140,7 @@ class ZeroOneSync(OneBitSync):
             total += sum((n - 1) * (l.cols / 8 + 4) * (2 if whole or l.zero_dim is None else 1)
                          for l in self._leaves())
             total += grad_bytes * partitioned * share if stage in (1, 2) else 0.0
-        if phase == ONEBIT_GRAD and self.grad_clip > 0 and not self.settings.local_clip:
+        if phase in (ONEBIT_GRAD, SYNC, FREEZE_SYNC) and self.grad_clip > 0 and not self.settings.local_clip:
             total += 2 * 4 * SKETCH_BUCKETS * share
         if phase in (FREEZE_LOCAL, FREEZE_SYNC):
             total += 2 * 4 * partitioned * share
@@ -185,7 +186,9 @@ class ZeroOneSync(OneBitSync):
         if phase == ONEBIT_GRAD:
             local, norm = self.local_gradients(grads)
             return self._exchange_gradients(local, inputs[3], norm)
-        local, norm = self.local_gradients(grads, local_clip=True)
+        # A local step clips each device's gradient by its own norm (it steps alone and saves the round a
+        # sketch would cost); a sync step communicates anyway, so it clips as the 1-bit gradient steps do.
+        local, norm = self.local_gradients(grads, local_clip=True if phase in (LOCAL, FREEZE_LOCAL) else None)
         return self._local_step(local, *inputs, phase, norm)
 
     def synced(self, grads, outputs, state, phase: str) -> Synced:
