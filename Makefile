@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test setup clean
+.PHONY: run test test-slow setup clean
 
 $(BIN)/zeroflax: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +18,14 @@ setup: $(BIN)/zeroflax
 run: setup
 	$(BIN)/zeroflax train --gin_file experiments/gpt_tiny_zero3.gin --resume
 
-# The test suite (about 20 minutes on 2 cores). pytest's exit code 5 (no tests collected) is a failure.
+# The test suite (about 20 minutes on 2 cores), without the tests marked slow (multi-process and end-to-end
+# runs: `make test-slow`, about 5 minutes; CI runs both). pytest's exit code 5 (no tests collected) is a failure.
 # PYTEST_ARGS adds pytest options, e.g. make test PYTEST_ARGS=--durations=30
 test: setup
-	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -n 2 -q -m "not slow" $(PYTEST_ARGS) tests
+
+test-slow: setup
+	$(BIN)/python -m pytest -n 2 -q -m slow $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

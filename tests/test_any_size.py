@@ -218,6 +218,7 @@ def test_export_and_init_from_a_padded_checkpoint(tmp_path):
     fresh_engine.step(started, batch)
 
 
+@pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 def test_train_on_six_devices_resumes_on_eight(tmp_path):
     """`zeroflax train` writes its checkpoints padded on 6 devices; `--resume` on 8 restores them (the true
     shapes checked, the padding cut) and trains on with the same global batch."""

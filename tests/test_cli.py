@@ -16,6 +16,7 @@ from zeroflax.checkpoint import Checkpointer, restore_params
 from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
 
 
+@pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 def test_resume_is_bitwise_exact_and_two_processes_match_one(tmp_path):
     """Stopped at step 3 and resumed, the main job equals the uninterrupted run bitwise; two processes of
     4 devices (the same 6-step schedule, stopped at 3) match it to float32 rounding; the checkpoint
@@ -116,6 +117,7 @@ def test_generate_runs_on_one_cpu_device(tmp_path):
 THREE_D = os.path.join(ROOT, "experiments", "gpt_3d.gin")
 
 
+@pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 def test_3d_main_job_resumes_exactly_restores_elsewhere_and_runs_in_two_processes(tmp_path):
     """gpt_3d.gin (pipe 2 x data 2 x tensor 2): stopped and resumed it equals the uninterrupted run
     bitwise; two processes of 4 devices, each holding one pipeline stage (pipe is the outermost mesh

@@ -11,11 +11,14 @@ benchmarks/layouts.py, kept out of here for time: each layout is one worker laun
 configuration (about 10, 23 and 17 s on 2 idle cores)."""
 import time
 
+import pytest
+
 from layout_grid import CONFIGS, compare, launch, parse, table
 
 LAYOUTS = [parse(name) for name in ("1x6", "2x3", "3x2")]
 
 
+@pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 def test_every_configuration_gives_the_same_parameters_on_every_layout(tmp_path):
     seconds = {}
     start = time.perf_counter()

@@ -71,6 +71,7 @@ def test_notebook_is_committed_clean(path):
             f"{name}: the first code cell imports jax before setting its environment; XLA reads it only once"
 
 
+@pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, tmp_path, record_property):
     name = os.path.basename(path)

@@ -157,6 +157,7 @@ def two_processes(tmp_path, *args):
     return two
 
 
+@pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 def test_two_processes_match_one(tmp_path):
     """2 processes x 4 devices (gloo), ZeRO stage 2, 12 steps with freeze_step 4: the same parameters as
     1 x 8 (and as the simulation) within 1e-6."""
@@ -171,6 +172,7 @@ def test_two_processes_match_one(tmp_path):
         np.testing.assert_allclose(two[k], expected[k], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 def test_two_processes_equal_one_bitwise_with_ordered_reductions(tmp_path):
     """The same run with Config.deterministic_reductions: 2 x 4 equals 1 x 8 bitwise (with psum and gloo
     they differ by up to 2.4e-7), warm-up, first and compressed steps alike."""

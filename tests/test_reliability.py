@@ -209,6 +209,7 @@ def test_no_data_or_checkpoint_path_unpickles(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- lost processes
+@pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 def test_a_lost_process_ends_the_job_promptly_and_the_checkpoint_resumes(tmp_path):
     """Two processes training; process 1 is SIGKILLed mid-run. `launch` names it, stops process 0 and fails
     within seconds (the issue's bound: 60), and the newest checkpoint resumes."""
@@ -288,6 +289,7 @@ ls -a "$workdir/checkpoints" > "$out/after_resume.ls"
 """
 
 
+@pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 def test_a_full_disk_stops_the_run_and_keeps_the_newest_checkpoint(tmp_path):
     """The workdir is a 1650 KiB tmpfs; the tiny GPT's checkpoints take about 660 KiB each, so the third save finds
     the disk full. The run stops with one line naming the step and the cause (exit status 1), the two complete
