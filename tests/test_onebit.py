@@ -225,27 +225,25 @@ def test_compressed_step_moves_a_32nd_of_an_all_reduce(grad_clip):
     assert memory.sync_state == memory.sync_theory and "1-bit buffers" in str(memory)
 
 
-def test_checkpoints_keep_the_error_buffers_and_reset_them_on_another_device_count(tmp_path):
-    """Saved in the compressed phase and restored on 8 devices, the run continues bitwise as if never
-    stopped; restored on 4, the error buffers start afresh (as DeepSpeed's always do), the note says so,
-    and the next step re-gathers the momentum (phase 'first')."""
-    steps = 8
-    _, grads = problem(steps)
+def checkpoint_round_trip(engine_for, grads, save_at, tmp_path, check_restored=lambda restored: None):
+    """Train at stage 1 to step `save_at`, save, train on to the end of `grads`; restored on 8 devices (where
+    `check_restored` looks at the state first) the run must continue bitwise as if never stopped. Returns the
+    restore on 4 devices: (its engine, its state, the restorer's notes), for the caller's checks of the reset."""
     engine, state = engine_for(1)
-    for t in range(6):
+    for t in range(save_at):
         state, _ = engine.step(state, grads[t])
     checkpoints = Checkpointer(str(tmp_path / "ckpt"), every=1, asynchronous=False)
-    checkpoints.save(6, state, {"epoch": 0}, {})
+    checkpoints.save(save_at, state, {"epoch": 0}, {})
     checkpoints.close()
-    for t in range(6, steps):
+    for t in range(save_at, len(grads)):
         state, _ = engine.step(state, grads[t])
 
     again, template = engine_for(1)
     restorer = Checkpointer(str(tmp_path / "ckpt"))
     restored, _, _ = restorer.restore(None, template, again.state_shardings)
     assert restorer.notes == []
-    assert int(restored.sync_state.exchanged_at) == 5
-    for t in range(6, steps):
+    check_restored(restored)
+    for t in range(save_at, len(grads)):
         restored, _ = again.step(restored, grads[t])
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -253,7 +251,20 @@ def test_checkpoints_keep_the_error_buffers_and_reset_them_on_another_device_cou
     fewer, template = engine_for(1, devices=jax.devices()[:4])
     restorer = Checkpointer(str(tmp_path / "ckpt"))
     restored, _, _ = restorer.restore(None, template, fewer.state_shardings)
-    assert restorer.notes and "reset" in restorer.notes[0] and "device count" in restorer.notes[0]
+    return fewer, restored, restorer.notes
+
+
+def test_checkpoints_keep_the_error_buffers_and_reset_them_on_another_device_count(tmp_path):
+    """Saved in the compressed phase and restored on 8 devices, the run continues bitwise as if never
+    stopped; restored on 4, the error buffers start afresh (as DeepSpeed's always do), the note says so,
+    and the next step re-gathers the momentum (phase 'first')."""
+    _, grads = problem(8)
+
+    def exchanged_last_at_step_5(restored):
+        assert int(restored.sync_state.exchanged_at) == 5
+
+    fewer, restored, notes = checkpoint_round_trip(engine_for, grads, 6, tmp_path, exchanged_last_at_step_5)
+    assert notes and "reset" in notes[0] and "device count" in notes[0]
     assert int(restored.sync_state.exchanged_at) == -1
     four = lambda g: {k: v[:4] for k, v in g.items()}
     restored, _ = fewer.step(restored, four(grads[6]))

@@ -13,16 +13,16 @@ from zeroflax import ConfigError, from_deepspeed
 from zeroflax.optim import onebit_lamb
 from zeroflax.step.onebit_lamb_sync import OneBitLambSync
 from onebit_lamb_sim import simulate_onebit_lamb
-from test_onebit import N, SHAPES, THRESHOLD, linear_loss, problem
+from test_onebit import N, SHAPES, THRESHOLD, checkpoint_round_trip, linear_loss, problem
 
 HYPER = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, freeze_step=4)
 
 
-def engine_for(stage, **hyper):
+def engine_for(stage, devices=None, **hyper):
     hp = {**HYPER, **hyper}
     optimizer = onebit_lamb(hp["lr"], hp["b1"], hp["b2"], hp["eps"], hp["weight_decay"], hp["freeze_step"])
     config = zeroflax.Config(zero_stage=stage, micro_batch_size=1, persistence_threshold=THRESHOLD, remat="none")
-    return zeroflax.initialize(linear_loss, problem(0)[0], optimizer, config)
+    return zeroflax.initialize(linear_loss, problem(0)[0], optimizer, config, devices=devices)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -111,3 +111,20 @@ def test_compressed_step_moves_a_32nd_of_an_all_reduce():
     assert memory.sync_state == memory.sync_theory and "1-bit buffers" in str(memory)
     print(f"warm-up {warmup:,.0f} B, compressed {compressed:,.0f} B per device: {warmup / compressed:.1f}x; "
           f"15% warm-up: {warmup / (0.15 * warmup + 0.85 * compressed):.2f}x")
+
+
+def test_checkpoints_keep_the_scaling_and_measure_it_again_on_another_device_count(tmp_path):
+    """Saved in the compressed phase and restored on 8 devices, the run continues bitwise (the scaling
+    coefficients and the united buffer's errors restored); restored on 4, the sync state starts afresh with a
+    note, and the next step ('first') measures the scaling coefficients again."""
+    _, grads = problem(8)
+
+    def scaled(restored):
+        assert all(float(c) > 0 for c in jax.tree.leaves(restored.sync_state.scaling))
+
+    fewer, restored, notes = checkpoint_round_trip(engine_for, grads, 6, tmp_path, scaled)
+    assert notes and "reset" in notes[0]
+    assert fewer.clock.phase(restored) == "first" and not any(float(c) for c in jax.tree.leaves(restored.sync_state.scaling))
+    restored, _ = fewer.step(restored, {k: v[:4] for k, v in grads[6].items()})
+    scaled(restored)
+

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 import zeroflax
-from zeroflax.checkpoint import Checkpointer
 from zeroflax.optim import zero_one_adam
 from zeroflax.optim.zero_one_adam import step_kinds
-from test_onebit import N, SHAPES, THRESHOLD, linear_loss, problem
+from test_onebit import N, SHAPES, THRESHOLD, checkpoint_round_trip, linear_loss, problem
 from zoadam_sim import simulate_zero_one_adam, zero_one_adam_schedule
 
 HYPER = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
@@ -111,35 +110,16 @@ def test_checkpoints_keep_each_devices_own_state(tmp_path):
     """Saved between two syncs (the devices' parameters differ) and restored on 8 devices, the run continues
     bitwise; restored on 4, the sync state starts afresh (the local steps since the last sync are dropped, the
     note says so) and the next step takes the momentum and variance again ('freeze_*')."""
-    steps = 16
-    _, grads = problem(steps)
-    engine, state = engine_for(1)
-    for t in range(13):
-        state, _ = engine.step(state, grads[t])
-    assert engine.clock.phase(state) == "local"
-    checkpoints = Checkpointer(str(tmp_path / "ckpt"), every=1, asynchronous=False)
-    checkpoints.save(13, state, {"epoch": 0}, {})
-    checkpoints.close()
-    for t in range(13, steps):
-        state, _ = engine.step(state, grads[t])
+    _, grads = problem(16)
 
-    again, template = engine_for(1)
-    restorer = Checkpointer(str(tmp_path / "ckpt"))
-    restored, _, _ = restorer.restore(None, template, again.state_shardings)
-    assert restorer.notes == []
-    for t in range(13, steps):
-        restored, _ = again.step(restored, grads[t])
-    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    def between_two_syncs(restored):  # frozen, with local steps taken since the last sync
+        assert int(restored.sync_state.frozen) == 1 and float(restored.sync_state.lrs) > 0
 
-    fewer, template = engine_for(1, devices=jax.devices()[:4])
-    restorer = Checkpointer(str(tmp_path / "ckpt"))
-    restored, _, _ = restorer.restore(None, template, fewer.state_shardings)
-    assert restorer.notes and "reset" in restorer.notes[0]
+    fewer, restored, notes = checkpoint_round_trip(engine_for, grads, 13, tmp_path, between_two_syncs)
+    assert notes and "reset" in notes[0]
     assert fewer.clock.phase(restored).startswith("freeze_")
     restored, _ = fewer.step(restored, {k: v[:4] for k, v in grads[13].items()})
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.params))
-
 
 BERT = ("tests/data/deepspeed_corpus/deepspeedai__DeepSpeedExamples/"
         "training__bing_bert__01_adam__mpi_ethernet__deepspeed_bsz4k_01adam_config_seq128_mpi_ethernet.json")
