@@ -22,7 +22,6 @@ that communicate anyway (1-bit gradient, sync) clip as 1-bit Adam's compressed p
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
