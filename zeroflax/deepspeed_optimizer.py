@@ -168,9 +168,13 @@ def fp16_loss_scaling(spec, precision: str, settings, notes: list) -> None:
                  "not count towards freeze_step")
 
 
-_FUNCTION = {"onebitadam": "onebit_adam", "onebitlamb": "onebit_lamb", "zerooneadam": "zero_one_adam"}
-_ZERO_ONE_EXTRA = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
-_LAMB_EXTRA = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")
+# Each compressed optimizer: its builder and the params it takes besides lr, betas, eps and weight_decay.
+_COMPRESSED_BUILDS = {
+    "onebitadam": (onebit_adam, ("freeze_step",)),
+    "onebitlamb": (onebit_lamb, ("freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min",
+                                 "factor_threshold")),
+    "zerooneadam": (zero_one_adam, ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")),
+}
 
 
 def build_optimizer(spec, schedule, stage: int, precision: str, default_optimizer, notes: list):
@@ -185,7 +189,7 @@ def build_optimizer(spec, schedule, stage: int, precision: str, default_optimize
     learning_rate = schedule if schedule is not None else p["lr"]
     b1, b2 = p["betas"]
     if kind in COMPRESSED:
-        name = COMPRESSED[kind]
+        name, (build, takes) = COMPRESSED[kind], _COMPRESSED_BUILDS[kind]
         if stage == 3:
             raise ConfigError("zero_optimization.stage", f"refused with {name}: stage 3 never holds the local gradient "
                               "whose momentum it compresses", "use stage 0, 1 or 2")
@@ -195,12 +199,10 @@ def build_optimizer(spec, schedule, stage: int, precision: str, default_optimize
         when = "in its 1-bit gradient steps" if kind == "zerooneadam" else "after freeze_step"
         notes.append(f"optimizer.type: {name}: {when}, gradient_clipping scales every device's local "
                      "gradient by one factor from the mean gradient's norm (estimated by an all-reduced sketch); "
-                     f"DeepSpeed clips each local gradient by its own norm, which is {_FUNCTION[kind]}(local_clip=True) "
+                     f"DeepSpeed clips each local gradient by its own norm, which is {build.__name__}(local_clip=True) "
                      + ("(its local steps always clip so) " if kind == "zerooneadam" else "") + "(docs/onebit_adam.md)")
         common = dict(b1=b1, b2=b2, eps=p["eps"], weight_decay=p["weight_decay"])
-        extra = {k: p[k] for k in {"onebitadam": ("freeze_step",), "onebitlamb": ("freeze_step", *_LAMB_EXTRA),
-                                   "zerooneadam": _ZERO_ONE_EXTRA}[kind]}
-        build = {"onebitadam": onebit_adam, "onebitlamb": onebit_lamb, "zerooneadam": zero_one_adam}[kind]
+        extra = {k: p[k] for k in takes}
         optimizer = build(learning_rate, **common, **extra)
         return optimizer, dict(type=name, lr=p["lr"], **common, **extra)
     if kind == "lamb":

@@ -55,6 +55,19 @@ class OneBitSettings:
     local_clip: bool = False  # DeepSpeed's clipping in the compressed phase (see onebit_adam)
 
 
+def check_arguments(function: str, eps, weight_decay, fractions: dict, counts: dict) -> None:
+    """The compressed optimizers' common checks: each of `fractions` (betas, ...) in [0, 1), each of `counts`
+    ({name: (value, least)}) an integer >= least, eps and weight_decay >= 0; a ValueError naming `function`."""
+    for name, value in fractions.items():
+        if not 0 <= value < 1:
+            raise ValueError(f"{function}: {name} must be in [0, 1), got {value!r}")
+    for name, (value, least) in counts.items():
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise ValueError(f"{function}: {name} must be an integer >= {least}, got {value!r}")
+    if eps < 0 or weight_decay < 0:
+        raise ValueError(f"{function}: eps and weight_decay must be >= 0, got {eps!r}, {weight_decay!r}")
+
+
 class CompressedMomentum(optax.GradientTransformationExtraArgs):
     """An optimizer whose momentum the engine exchanges compressed (1-bit Adam, 1-bit LAMB): its update takes
     the exchanged momentum as `momentum=`, and `settings` holds what the engine's sync reads."""
@@ -113,13 +126,7 @@ def onebit_adam(learning_rate: float | Callable = 1e-3, b1: float = 0.9, b2: flo
     exchanged momentum follows the clipped mean gradient as in the warm-up. True: DeepSpeed's rule, each
     device clips its local gradient by its own norm; local gradients are noisier and larger than their mean,
     so this clips far more often (docs/onebit_adam.md measures the difference)."""
-    for name, value in (("b1", b1), ("b2", b2)):
-        if not 0 <= value < 1:
-            raise ValueError(f"onebit_adam: {name} must be in [0, 1), got {value!r}")
-    if not (isinstance(freeze_step, int) and freeze_step >= 0):
-        raise ValueError(f"onebit_adam: freeze_step must be an integer >= 0, got {freeze_step!r}")
-    if eps < 0 or weight_decay < 0:
-        raise ValueError(f"onebit_adam: eps and weight_decay must be >= 0, got {eps!r}, {weight_decay!r}")
+    check_arguments("onebit_adam", eps, weight_decay, {"b1": b1, "b2": b2}, {"freeze_step": (freeze_step, 0)})
     settings = OneBitSettings(learning_rate, b1, b2, eps, weight_decay, freeze_step, bool(local_clip))
 
     def init(params):

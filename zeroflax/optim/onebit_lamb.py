@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zeroflax.optim.onebit import CompressedMomentum
+from zeroflax.optim.onebit import CompressedMomentum, check_arguments
 
 
 class OneBitLambState(NamedTuple):
@@ -151,13 +151,8 @@ def onebit_lamb(learning_rate: float | Callable = 1e-3, b1: float = 0.9, b2: flo
     gradient. As `onebit_adam`, the first step is a real one (DeepSpeed's first call only initialises) and
     `local_clip` chooses how Config.grad_clip acts in the compressed phase. Pass the result to
     `zeroflax.initialize` as the optimizer, itself (not inside a chain)."""
-    for name, value in (("b1", b1), ("b2", b2), ("coeff_beta", coeff_beta)):
-        if not 0 <= value < 1:
-            raise ValueError(f"onebit_lamb: {name} must be in [0, 1), got {value!r}")
-    if not (isinstance(freeze_step, int) and freeze_step >= 0):
-        raise ValueError(f"onebit_lamb: freeze_step must be an integer >= 0, got {freeze_step!r}")
-    if eps < 0 or weight_decay < 0:
-        raise ValueError(f"onebit_lamb: eps and weight_decay must be >= 0, got {eps!r}, {weight_decay!r}")
+    check_arguments("onebit_lamb", eps, weight_decay, {"b1": b1, "b2": b2, "coeff_beta": coeff_beta},
+                    {"freeze_step": (freeze_step, 0)})
     if not 0 <= min_coeff <= max_coeff:
         raise ValueError(f"onebit_lamb: need 0 <= min_coeff <= max_coeff, got {min_coeff!r}, {max_coeff!r}")
     if not 0 < factor_min <= factor_max or not 0 <= factor_threshold < 1:

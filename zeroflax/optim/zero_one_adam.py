@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zeroflax.optim.onebit import CompressedMomentum
+from zeroflax.optim.onebit import CompressedMomentum, check_arguments
 
 FULL, ONEBIT_GRAD, LOCAL, SYNC = "full", "onebit_grad", "local", "sync"
 
@@ -101,13 +101,6 @@ def step_kinds(settings: ZeroOneSettings, steps: int) -> list[str]:
     return kinds
 
 
-def schedule_after(settings: ZeroOneSettings, steps: int) -> Schedule:
-    at = Schedule()
-    for t in range(1, steps + 1):
-        at = advance(settings, t, at)
-    return at
-
-
 @dataclasses.dataclass(frozen=True)
 class _Update:
     settings: ZeroOneSettings
@@ -153,16 +146,9 @@ def zero_one_adam(learning_rate: float | Callable = 1e-3, b1: float = 0.9, b2: f
     """DeepSpeed's 0/1 Adam (defaults: DeepSpeed's). Pass the result to `zeroflax.initialize` as the optimizer,
     itself; `local_clip` as onebit_adam's. The first step is a real one (DeepSpeed's first call only
     initialises)."""
-    for name, value in (("b1", b1), ("b2", b2)):
-        if not 0 <= value < 1:
-            raise ValueError(f"zero_one_adam: {name} must be in [0, 1), got {value!r}")
-    for name, value, least in (("var_freeze_step", var_freeze_step, 0), ("var_update_scaler", var_update_scaler, 1),
-                               ("local_step_scaler", local_step_scaler, 1),
-                               ("local_step_clipper", local_step_clipper, 1)):
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-            raise ValueError(f"zero_one_adam: {name} must be an integer >= {least}, got {value!r}")
-    if eps < 0 or weight_decay < 0:
-        raise ValueError(f"zero_one_adam: eps and weight_decay must be >= 0, got {eps!r}, {weight_decay!r}")
+    check_arguments("zero_one_adam", eps, weight_decay, {"b1": b1, "b2": b2},
+                    {"var_freeze_step": (var_freeze_step, 0), "var_update_scaler": (var_update_scaler, 1),
+                     "local_step_scaler": (local_step_scaler, 1), "local_step_clipper": (local_step_clipper, 1)})
     settings = ZeroOneSettings(learning_rate, b1, b2, eps, weight_decay, var_freeze_step, var_update_scaler,
                                local_step_scaler, local_step_clipper, bool(local_clip))
 

@@ -28,6 +28,7 @@ from zeroflax.kernels.onebit_pack import unpack_signs
 from zeroflax.sharding.collectives import cut_padding
 from zeroflax.step.onebit_sync import (COMPRESSED, FIRST, WARMUP, Layout, LeafSync, OneBitSync, is_layout,
                                        exchange_rows)
+from zeroflax.step.zero_sync import unscale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +141,16 @@ class OneBitLambSync(OneBitSync):
         bits = n * (c // 8 + 4) if self.united.partitioned else 0
         return 4 * n * c + 4 * c + bits + 4 * len(self.united.layouts) + 4
 
-    def exchanged(self, grads, mu_prev, sync: LambSyncState, step):
-        """Compressed phases, per device: as OneBitSync.exchanged, through one buffer scaled per leaf."""
+    def final(self, grads, inputs, phase: str, scale=1.0):
+        """As OneBitSync.final; the scaling coefficients are measured in phase 'first' only."""
+        if phase == WARMUP:
+            return self.zero.final(grads, scale=scale)
+        momentum, sync_state, norm = self.exchanged(unscale(grads, scale), *inputs, measure=phase == FIRST)
+        return momentum, (sync_state, norm)
+
+    def exchanged(self, grads, mu_prev, sync: LambSyncState, step, measure: bool = False):
+        """Compressed phases, per device: as OneBitSync.exchanged, through one buffer scaled per leaf;
+        `measure`: take the scaling coefficients that are not yet set (0) from the last momentum."""
         s = self.settings
         united = self.united
         local, norm = self.local_gradients(grads)
@@ -156,7 +165,8 @@ class OneBitLambSync(OneBitSync):
                     for l, m, (a, b), c in zip(layouts, prev, united.spans, scaling)]
         prev = [cut_padding(m, l.zero_dim, l.pad) if l.zero_dim is not None and m.shape != l.shape else m
                 for l, m in zip(layouts, prev)]
-        scaling = [jnp.where(c > 0, c, m) for c, m in zip(scaling, _scaling_coeffs(prev))]
+        if measure:
+            scaling = [jnp.where(c > 0, c, m) for c, m in zip(scaling, _scaling_coeffs(prev))]
         local_momentum = [(s.b1 * m + (1 - s.b1) * g) * c for m, g, c in zip(prev, jax.tree.leaves(local), scaling)]
         if self.data_size == 1:  # DeepSpeed does not compress with one worker
             momentum = [m / c for m, c in zip(local_momentum, scaling)]
