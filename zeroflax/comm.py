@@ -289,7 +289,8 @@ def _local_elements(abstract, shardings, keep) -> int:
 
 
 def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
-    """The bytes of the step program of `phase` (default: the steady state; see `Engine.phases`)."""
+    """The bytes of the step program of `phase` (default: the steady state; see `Engine.phases`). It compiles
+    the step: in a run of several processes call it on every process (`Engine.compile` says why)."""
     phase = phase or engine.phases[-1]
     compiled = engine.compile(state, batch, phase)
     schedule_tables = engine.pipeline_tables()

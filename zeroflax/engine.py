@@ -261,7 +261,9 @@ class Engine:
     # ------------------------------------------------------------------ compile-only (reports)
     def compile(self, state, batch, phase: str | None = None):
         """The compiled step (of `phase`; default the steady state) for these (abstract or concrete)
-        arguments; no step is run."""
+        arguments; no step is run. In a run of several processes every process must call it (as with a
+        step): with jax 0.12 a step compiled by one process alone never completes its first collective
+        (docs/reliability.md, "Every process compiles the same programs")."""
         phase = phase or self.phases[-1]
         state_abs, batch_abs = self.abstract_args(state, batch)
         self._settle_remat(state_abs, batch_abs)  # global shapes: a process's numpy rows are its share only

@@ -321,6 +321,8 @@ def split_bytes(abstract_tree, sharding_tree) -> tuple[int, int]:
 
 
 def memory_report(engine, state, batch) -> MemoryReport:
+    """Bytes per device of the compiled step beside ZeRO's formulas. It compiles the step: in a run of
+    several processes call it on every process (`Engine.compile` says why) and print it on one."""
     compiled = engine.compile(state, batch)
     stats = compiled.memory_analysis()
     plan = engine.plan

@@ -347,8 +347,12 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
         f"mesh {dict(engine.mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es); "
         f"{engine.train_batch_size} x {tc.seq_len} tokens per step; {train_tokens.size:,} training bytes ({tc.data})")
     first_batch = loader.next_batch()
+    # Every process compiles the report's step, though only the main one prints it: with jax 0.12 a program
+    # compiled by some processes only puts their collectives out of step with the others', and the first
+    # step never completes (docs/multihost.md, "Every process compiles the same programs").
+    report = memory_report(engine, state, first_batch)
     if is_main:
-        print(memory_report(engine, state, first_batch))
+        print(report)
     metrics_log = MetricsLog(tc.workdir, tc.tensorboard, is_main)
     bpb_before = validation_bits_per_byte(engine, state, val_tokens, tc)
     say(f"validation: {bpb_before:.3f} bits per byte at step {start}")
@@ -430,8 +434,10 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
     say(f"validation: {bpb_after:.3f} bits per byte at step {end} (was {bpb_before:.3f}); "
         f"checkpoint in {checkpoints.directory}")
     text = ""
+    if tc.sample_length:  # every process takes part in bringing the parameters whole to the host
+        from jax.experimental import multihost_utils
+        params = multihost_utils.process_allgather(engine.model_params(state), tiled=True)
     if is_main and tc.sample_length:
-        params = jax.device_get(engine.model_params(state))
         text = generate_text(model_config, params, tc.sample_prompt, tc.sample_length, tc.sample_temperature)
         print("sample:\n" + text)
     return {"val_bpb_before": bpb_before, "val_bpb_after": bpb_after, "final_loss": loss, "steps": end,
