@@ -13,13 +13,14 @@ import dataclasses
 import math
 from typing import Mapping
 
-from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS
 from zeroflax.config_checks import ConfigError, configurable, is_int, require
 from zeroflax.config_offload import OffloadOptimizerConfig, OffloadParamConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SEQUENCE_ATTENTIONS = ("ulysses", "ring")  # zeroflax/sharding/sequence.py
 
 # Logical axis name -> mesh axis (or None = not partitioned). A tensor-parallel layout is a change of
 # this table, not of the model. The ZeRO data axis is added on top by the sharding policy.
@@ -168,6 +169,10 @@ class Config:
         `zeroflax.sequence_split` (a transformer's residual stream: norms, residual adds) are split along
         the sequence over the `tensor` axis; row-parallel outputs are reduce-scattered into them and
         all-gathered before the next column-parallel matmul. Needs a tensor axis larger than 1.
+    sequence_attention: with a `sequence` mesh axis (each example's tokens split over its devices), how
+        attention sees the whole sequence: 'ulysses' (DeepSpeed-Ulysses: all-to-all to a split over heads
+        and back; any attention function; the heads must divide over the axis) or 'ring' (keys and values
+        passed around the axis, blockwise softmax; no head divisibility). See zeroflax/sharding/sequence.py.
     offload_optimizer: ZeRO-Offload (see OffloadOptimizerConfig): master weights and optimizer state
         in host memory, the update on the host.
     offload_param: ZeRO-3 parameter offload (see OffloadParamConfig).
@@ -210,6 +215,7 @@ class Config:
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int = 1
     sequence_parallel: bool = False
+    sequence_attention: str = "ulysses"
     offload_optimizer: OffloadOptimizerConfig = dataclasses.field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = dataclasses.field(default_factory=OffloadParamConfig)
     logical_rules: tuple = DEFAULT_LOGICAL_RULES
@@ -293,6 +299,12 @@ class Config:
                     f"use a multiple of {stages}")
         require(isinstance(self.sequence_parallel, bool), "Config.sequence_parallel",
                 f"must be True or False, got {self.sequence_parallel!r}")
+        require(self.sequence_attention in SEQUENCE_ATTENTIONS, "Config.sequence_attention",
+                f"unknown sequence attention {self.sequence_attention!r}", f"use one of {', '.join(SEQUENCE_ATTENTIONS)}")
+        sequence = self.mesh.axes.get(SEQUENCE_AXIS, 1)
+        require(not (self.sequence_parallel and sequence != 1), "Config.sequence_parallel",
+                f"Megatron's sequence parallelism (over '{TENSOR_AXIS}') with a '{SEQUENCE_AXIS}' axis is not built",
+                f"the '{SEQUENCE_AXIS}' axis splits the whole layer's activations already: set sequence_parallel False")
         require(isinstance(self.offload_optimizer, OffloadOptimizerConfig), "Config.offload_optimizer",
                 f"must be an OffloadOptimizerConfig, got {type(self.offload_optimizer).__name__}")
         require(isinstance(self.offload_param, OffloadParamConfig), "Config.offload_param",
@@ -322,8 +334,8 @@ class Config:
                     "Config.logical_rules", f"each rule must be (logical_name, mesh_axis_or_None), got {rule!r}")
             require(rule[1] is None or rule[1] in self.mesh.axes, "Config.logical_rules",
                     f"rule {rule!r} maps to mesh axis {rule[1]!r}, which MeshConfig.axes does not define")
-            require(rule[1] != DATA_AXIS, "Config.logical_rules",
-                    f"rule {rule!r} maps to '{DATA_AXIS}'; the data axis is reserved for ZeRO partitioning")
+            require(rule[1] not in (DATA_AXIS, SEQUENCE_AXIS), "Config.logical_rules",
+                    f"rule {rule!r} maps to '{rule[1]}'; the data and sequence axes are reserved for ZeRO partitioning")
         object.__setattr__(self, "logical_rules", rules)
         aliases = (self.data_axis_aliases,) if isinstance(self.data_axis_aliases, str) else self.data_axis_aliases
         require(isinstance(aliases, (tuple, list)) and all(isinstance(a, str) and a for a in aliases),

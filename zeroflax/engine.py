@@ -33,7 +33,7 @@ from zeroflax.config import Config, ConfigError
 from zeroflax.pipeline.executor import tables
 from zeroflax.remat_choice import settle_remat
 from zeroflax.sharding.context import GatherUsage
-from zeroflax.sharding.mesh import DATA_AXIS, build_mesh
+from zeroflax.sharding.mesh import DATA_AXIS, build_mesh, zero_size
 from zeroflax.sharding.padding import fit, to_true
 from zeroflax.sharding.policy import ShardingPlan, make_plan
 from zeroflax.sharding.scopes import UPDATE_SCOPE
@@ -56,6 +56,9 @@ class Engine:
                  plan: ShardingPlan, abstract_params, train_batch_size: int, abstract_model_state=None):
         self.optimizer, self.config, self.plan, self.mesh = optimizer, config, plan, plan.mesh
         self.data_size = self.mesh.shape[DATA_AXIS]
+        # Devices whose losses the step averages: data x sequence (a sequence group's devices each take the
+        # mean over their own tokens of the same examples).
+        self.zero_size = zero_size(self.mesh)
         self.train_batch_size = train_batch_size
         self.abstract_params, self.abstract_model_state = abstract_params, abstract_model_state
         self.parts = build_parts(config, plan, optimizer, abstract_params, abstract_model_state is not None)
@@ -108,7 +111,7 @@ class Engine:
             params, sources = self.trace.gradient_sinks(params)
             micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
             device_rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXIS))
-            weight = 1.0 / (self.data_size * accum)  # the step's loss: the mean over all data-parallel micro-batches
+            weight = 1.0 / (self.zero_size * accum)  # the step's loss: the mean over all devices' micro-batches
             grads, loss, aux, model_state = source(self.trace, params, micro, device_rng, scale * weight, model_state,
                                                    sources, functools.partial(self.sync.per_microbatch, phase=sync_phase))
             grads, sync_out = self.sync.final(grads, sync_in, sync_phase, scale)  # reduced and unscaled

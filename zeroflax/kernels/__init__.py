@@ -74,7 +74,36 @@ def sparse_attention(q, k, v, layout, *, causal: bool, key_padding_mask=None, sm
                      "or None.")
 
 
+class SparseAttention:
+    """`sparse_attention` with one layout, as an ``attention(q, k, v)`` function (what a model hands to
+    `zeroflax.sequence_attention`). ``for_heads(first, count)`` is the same attention for heads
+    ``first .. first + count - 1`` only: the heads a device holds after Ulysses' all-to-all. It is this
+    object itself when every head has the same layout, so a uniform layout compiles one program."""
+
+    def __init__(self, layout, *, causal: bool, implementation: str | None = None, heads: tuple | None = None):
+        self.layout, self.causal, self.implementation, self.heads = layout, causal, implementation, heads
+
+    def __call__(self, q, k, v):
+        layout = self.layout
+        if self.heads is not None:
+            full = layout.make_layout(q.shape[1]) if isinstance(layout, SparsityConfig) else np.asarray(layout)
+            first, count = self.heads
+            layout = full[first:first + count]
+        return sparse_attention(q, k, v, layout, causal=self.causal, implementation=self.implementation)
+
+    def for_heads(self, first: int, count: int) -> "SparseAttention":
+        if isinstance(self.layout, SparsityConfig):
+            uniform = not self.layout.different_layout_per_head
+        else:
+            uniform = np.ndim(self.layout) < 3 or np.shape(self.layout)[0] == 1
+        if uniform:
+            return self
+        return SparseAttention(self.layout, causal=self.causal, implementation=self.implementation,
+                               heads=(first, count))
+
+
 __all__ = [
+    "SparseAttention",
     "sparse_attention", "default_implementation", "IMPLEMENTATIONS",
     "sparse_attention_xla", "sparse_attention_pallas", "sparse_attention_reference",
     "SparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig",

@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from zeroflax.config import configurable
+from zeroflax.sharding.sequence import sequence_attention, sequence_slice
 from zeroflax.sharding.tensor import sequence_split, tensor_parallel
 from zeroflax.sharding.layers import scan_layers
 
 
-ATTENTIONS = ("dense", "dot_product", "cudnn", "sparse")
+ATTENTIONS = ("dense", "dot_product", "cudnn", "sparse", "blockwise")
 
 
 @configurable
@@ -36,7 +37,9 @@ class GPTConfig:
     max_len: int = 256
     tie_embeddings: bool = True
     # 'dense' (this file's, fp32 softmax), 'dot_product' (jax.nn.dot_product_attention, XLA's choice),
-    # 'cudnn' (its cuDNN flash attention, GPUs only), 'sparse' (block-sparse, DeepSpeed layouts; needs `sparsity`)
+    # 'cudnn' (its cuDNN flash attention, GPUs only), 'sparse' (block-sparse, DeepSpeed layouts; needs `sparsity`),
+    # 'blockwise' (tiles of 512 with an online softmax, memory linear in the sequence on any backend:
+    # zeroflax/sharding/ring_attention.py)
     attention: str = "dense"
     sparsity: Any = None  # a zeroflax.kernels SparsityConfig, e.g. BigBirdSparsityConfig(num_heads=4)
 
@@ -80,11 +83,14 @@ class GPTConfig:
         """attention(q, k, v) on [batch, seq, heads, head_dim], causal."""
         if self.attention == "dense":
             return dense_causal_attention
+        if self.attention == "blockwise":
+            from zeroflax.sharding.ring_attention import blockwise_attention
+            return functools.partial(blockwise_attention, causal=True)
         if self.attention in ("dot_product", "cudnn"):
             implementation = "cudnn" if self.attention == "cudnn" else None
             return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
-        from zeroflax.kernels import sparse_attention
-        return functools.partial(sparse_attention, layout=self.sparsity, causal=True)
+        from zeroflax.kernels import SparseAttention
+        return SparseAttention(self.sparsity, causal=True)
 
     @property
     def ff(self) -> int:
@@ -191,9 +197,11 @@ class GPT(nn.Module):
         ln_scale = self.param("ln_f_scale", nn.with_logical_partitioning(ones, ("embed",)), (d,))
         ln_bias = self.param("ln_f_bias", nn.with_logical_partitioning(zeros, ("embed",)), (d,))
 
+        # With a `sequence` axis each device embeds and runs its own tokens (sharding/sequence.py); with
+        # Megatron's sequence parallelism the tensor devices split the residual stream (sharding/tensor.py).
         t = tokens.shape[1]
-        x = sequence_split(jnp.take(embed, tokens, axis=0) + pos[:t])
-        attention = c.attention_fn()
+        x = sequence_split(jnp.take(embed, sequence_slice(tokens), axis=0) + sequence_slice(pos[:t], axis=0))
+        attention = sequence_attention(c.attention_fn(), causal=True, softmax=c.attention != "sparse")
         x = scan_layers(lambda h, p: block(h, p, attention), x, layers, remat=self.remat)
         x = layer_norm(x, ln_scale, ln_bias)
         if c.tie_embeddings:
@@ -209,7 +217,7 @@ def next_token_loss(model: GPT):
     def loss_fn(params, batch, rng):
         tokens = batch["tokens"]
         logits = model.apply({"params": params}, tokens[:, :-1]).astype(jnp.float32)
-        targets = tokens[:, 1:]
+        targets = sequence_slice(tokens[:, 1:])  # the tokens this device predicts (all, without a sequence axis)
         logz = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         return jnp.mean(logz - picked)

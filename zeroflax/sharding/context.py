@@ -25,6 +25,7 @@ class GatherUsage:
     layer_carry_bytes: bytes of the activation one scanned layer takes and returns, for one micro-batch
         on one device (the unit of the tensor axis's theory in the communication report); 0 if none.
     sequence_splits: how many activations the loss marks with `sequence_split` (sequence parallelism).
+    sequence_slices, sequence_attentions: calls of `sequence_slice` and `sequence_attention` (a sequence axis).
     scan_owners: Flax modules found running a lifted transform over shared (unstacked) parameters.
     group_calls: every group call in the order traced, with the handles (leaf indices) it gathers.
     """
@@ -37,6 +38,9 @@ class GatherUsage:
     failed: str | None = None
     layer_carry_bytes: int = 0
     sequence_splits: int = 0
+    sequence_slices: int = 0
+    sequence_attentions: int = 0
+    attention_bytes: tuple = (0, 0, 0)  # the last sequence_attention call's (q bytes, k bytes, k elements)
     scan_owners: set = dataclasses.field(default_factory=set)  # Flax module paths: see LayerContext
     group_calls: list = dataclasses.field(default_factory=list)  # (group name, elements, leaf indices) in order
     lifted_in_groups: int = 0  # Flax modules met inside a group but bound to another scope tree (nn.scan, nn.RNN)
@@ -53,6 +57,8 @@ class LayerContext:
     usage: GatherUsage | None = None
     sequence_parallel: bool = False  # Config.sequence_parallel: see sharding.tensor
     tensor_size: int = 1  # the tensor axis's size
+    sequence_size: int = 1  # the sequence axis's size: see sharding.sequence
+    sequence_attention: str = "ulysses"  # Config.sequence_attention
     logical_rules: tuple = ()  # Config.logical_rules: logical axis name -> mesh axis
     data_axis_aliases: tuple = ()  # Config.data_axis_aliases: a model's pmap-era axis names for the data axis
     data_axis: str = DATA_AXIS

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS  # noqa: F401 (the names the package imports from here)
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS  # noqa: F401 (the names the package imports from here)
 from zeroflax.config import MeshConfig
 
 
@@ -29,3 +29,22 @@ def data_size(mesh: Mesh) -> int:
 
 def pipe_size(mesh: Mesh) -> int:
     return mesh.shape.get(PIPE_AXIS, 1)
+
+
+def sequence_size(mesh: Mesh) -> int:
+    return mesh.shape.get(SEQUENCE_AXIS, 1)
+
+
+def zero_axes(mesh: Mesh):
+    """The mesh axes ZeRO partitions and reduces over: `data`, or (`data`, `sequence`) with a sequence axis.
+
+    The devices of a sequence group hold different tokens of the same examples, so their gradients are
+    summed like data-parallel devices' and nothing needs a whole copy of the model states per group: they
+    are partitioned over data x sequence, as DeepSpeed-Ulysses partitions over its data and sequence
+    groups together. A tuple of axis names is one axis to jax's collectives and to a PartitionSpec entry."""
+    return (DATA_AXIS, SEQUENCE_AXIS) if sequence_size(mesh) > 1 else DATA_AXIS
+
+
+def zero_size(mesh: Mesh) -> int:
+    """The devices ZeRO partitions over: data x sequence."""
+    return mesh.shape[DATA_AXIS] * sequence_size(mesh)

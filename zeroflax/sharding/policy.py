@@ -37,7 +37,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeroflax.config import Config, ConfigError
-from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS, pipe_size, zero_axes, zero_size
 from zeroflax.sharding.padding import stored_abstract, stored_shape
 
 LAYERS_AXIS = "layers"
@@ -60,6 +60,7 @@ class LeafPlacement:
     zero_dim: int | None  # the dimension partitioned over `data`, or None (replicated over data)
     stacked: bool  # leading dimension is a stack of layers
     pad: int = 0  # zeros appended to `zero_dim` where the leaf is partitioned (sharding.padding)
+    zero_axis: Any = DATA_AXIS  # the mesh axes ZeRO partitions over: `data`, or (`data`, `sequence`)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -71,7 +72,7 @@ class LeafPlacement:
     def spec(self, with_data: bool) -> P:
         axes = list(self.base)
         if with_data and self.zero_dim is not None:
-            axes[self.zero_dim] = DATA_AXIS
+            axes[self.zero_dim] = self.zero_axis
         return P(*axes)
 
     def pipe_spec(self) -> P:
@@ -87,7 +88,7 @@ class LeafPlacement:
         """The spec naming only the manual axes, `data` and `pipe`: shard_map's in/out spec."""
         axes = list(self.pipe_spec()) + [None] * (len(self.shape) - len(self.pipe_spec()))
         if self.zero_dim is not None:
-            axes[self.zero_dim] = DATA_AXIS
+            axes[self.zero_dim] = self.zero_axis
         return P(*axes)
 
 
@@ -129,17 +130,17 @@ def zero_placement(shape, base, data_size: int, threshold: int, stacked: bool) -
 
 def logical_to_mesh_axes(names, rules, mesh: Mesh, path: str, shape) -> tuple:
     """Map a leaf's logical axis names to mesh axes through the rule table; check divisibility."""
-    # Mesh axis names (from nn.with_partitioning) map to themselves; 'data' is ZeRO's alone.
-    table = {axis: axis for axis in mesh.axis_names if axis != DATA_AXIS}
+    # Mesh axis names (from nn.with_partitioning) map to themselves; 'data' and 'sequence' are ZeRO's alone.
+    table = {axis: axis for axis in mesh.axis_names if axis not in (DATA_AXIS, SEQUENCE_AXIS)}
     table.update(rules)
     axes = []
     for dim, name in enumerate(names):
         if name is None:
             axes.append(None)
             continue
-        if name == DATA_AXIS:
-            raise ConfigError("logical_axes", f"parameter {path} names the '{DATA_AXIS}' axis",
-                              "the data axis is reserved for ZeRO partitioning; name another axis")
+        if name in (DATA_AXIS, SEQUENCE_AXIS):
+            raise ConfigError("logical_axes", f"parameter {path} names the '{name}' axis",
+                              "the data and sequence axes are reserved for ZeRO partitioning; name another axis")
         if name not in table:
             raise ConfigError("Config.logical_rules", f"no rule for logical axis {name!r} of parameter {path}",
                               f"add ({name!r}, None) or ({name!r}, {TENSOR_AXIS!r}) to the rules")
@@ -162,7 +163,7 @@ def place_params(abstract_params, logical_axes, mesh: Mesh, config: Config):
     `logical_axes` is None or a tree with the params' structure whose leaves are tuples of logical
     names (one per dimension; None entries for unnamed dimensions) or None for an unnamed leaf.
     """
-    data_size = mesh.shape[DATA_AXIS]
+    data_size, axis = zero_size(mesh), zero_axes(mesh)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     if logical_axes is None:
         names_list = [None] * len(leaves)
@@ -188,7 +189,7 @@ def place_params(abstract_params, logical_axes, mesh: Mesh, config: Config):
             if stacked and pipe_size(mesh) > 1:  # pipeline: each stage holds its own layers
                 base = (PIPE_AXIS,) + base[1:]
         zero_dim, pad = zero_placement(shape, base, data_size, config.persistence_threshold, stacked)
-        placements.append(LeafPlacement(shape, base, zero_dim, stacked, pad))
+        placements.append(LeafPlacement(shape, base, zero_dim, stacked, pad, axis))
     return jax.tree_util.tree_unflatten(treedef, placements)
 
 
@@ -270,7 +271,7 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_st
     from its parameter's (e.g. a factored second moment) gets the shape rule on its own; everything
     else (step counts, scalars) is replicated.
     """
-    data_size = mesh.shape[DATA_AXIS]
+    data_size, axis = zero_size(mesh), zero_axes(mesh)
 
     def for_param_slot(state_leaf, placement):
         if not hasattr(state_leaf, "shape"):
@@ -280,7 +281,7 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, abstract_opt_st
         shape = tuple(state_leaf.shape)
         base = (None,) * len(shape)
         zero_dim, pad = zero_placement(shape, base, data_size, config.persistence_threshold, False)
-        return NamedSharding(mesh, LeafPlacement(shape, base, zero_dim, False, pad).spec(with_data),
+        return NamedSharding(mesh, LeafPlacement(shape, base, zero_dim, False, pad, axis).spec(with_data),
                              memory_kind=memory_kind)
 
     def for_other(state_leaf):

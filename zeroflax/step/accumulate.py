@@ -15,7 +15,8 @@ from zeroflax.sharding.ordered import mean_all
 class Accumulation:
     accum: int  # micro-batches per device and step (Config.grad_accum_steps)
     ordered: bool = False  # Config.deterministic_reductions: the means below in device order
-    manual_axes: frozenset = frozenset({DATA_AXIS})
+    manual_axes: frozenset = frozenset({DATA_AXIS})  # with a sequence axis, `sequence` too
+    zero_axis: object = DATA_AXIS  # the axes the loss is averaged over: `data`, or (`data`, `sequence`)
     schedule = None
     layer_order = None
 
@@ -48,10 +49,10 @@ class Accumulation:
                 body, (*zeros, model_state), (micro, jnp.arange(self.accum)))
             loss = loss / self.accum
             aux = jax.tree.map(lambda a: a / self.accum, aux)
-        mean = lambda x: mean_all(x, DATA_AXIS, self.ordered)
+        mean = lambda x: mean_all(x, self.zero_axis, self.ordered)
         loss = mean(loss)
         aux = jax.tree.map(mean, aux)
-        # Every device (and so every checkpoint) holds the same model state: the mean over `data`.
+        # Every device (and so every checkpoint) holds the same model state: the mean over `data` (and `sequence`).
         model_state = jax.tree.map(
             lambda x: mean(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x, model_state)
         return grads, loss, aux, model_state

@@ -15,7 +15,7 @@ from zeroflax.optim.onebit_lamb import OneBitLamb, OneBitLambState
 from zeroflax.optim.zero_one_adam import ZeroOneAdam, ZeroOneAdamState
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order
 from zeroflax.pipeline.schedule import build_schedule
-from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS, pipe_size
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS, pipe_size, zero_axes
 from zeroflax.sharding.padding import stored_abstract
 from zeroflax.sharding.policy import ShardingPlan
 from zeroflax.step.accumulate import Accumulation
@@ -64,12 +64,18 @@ def build_parts(config: Config, plan: ShardingPlan, optimizer: optax.GradientTra
         raise ConfigError("Config.sequence_parallel", "splits activations over the tensor axis, but the mesh's "
                           f"tensor axis has 1 device ({dict(mesh.shape)})",
                           "give MeshConfig.axes['tensor'] 2 or more devices, or set sequence_parallel False")
+    if zero_axes(mesh) != DATA_AXIS and pipe_size(mesh) > 1 and config.sequence_attention == "ring":
+        # Each pipeline stage runs its tick in a branch of its own, and XLA:CPU meets a collective-permute with
+        # every device its source-target pairs name (the whole mesh's rings): another stage's branch either
+        # never comes (a deadlock) or runs a permute of its own that meets this one (wrong values, measured).
+        raise ConfigError("Config.sequence_attention", "'ring' under a pipeline is not built: its key/value "
+                          "sends would meet the other stages' sends", "use 'ulysses', or a pipe axis of 1")
     source = _source(config, plan, has_model_state)
     if plan.offload and (source.layer_order is not None or has_model_state):
         raise ConfigError("OffloadOptimizerConfig.device", "offload with " + (
             "the interleaved pipeline schedule" if source.layer_order is not None else "model state (Flax "
             "collections such as batch_stats)") + " is not built", "set OffloadOptimizerConfig.device='none'")
-    zero = ZeroGradSync(config.zero_stage, plan.placements, ordered=config.deterministic_reductions,
+    zero = ZeroGradSync(config.zero_stage, plan.placements, axis=zero_axes(mesh), ordered=config.deterministic_reductions,
                         grad_clip=config.grad_clip)
     sync = _onebit_sync(config, plan, optimizer, abstract_params, zero) or zero
     skips = skips_nonfinite(config)
@@ -81,7 +87,9 @@ def build_parts(config: Config, plan: ShardingPlan, optimizer: optax.GradientTra
 def _source(config: Config, plan: ShardingPlan, has_model_state: bool) -> GradSource:
     stages = pipe_size(plan.mesh)
     if stages == 1:
-        return Accumulation(config.grad_accum_steps, ordered=config.deterministic_reductions)
+        axes = {DATA_AXIS, SEQUENCE_AXIS} if zero_axes(plan.mesh) != DATA_AXIS else {DATA_AXIS}
+        return Accumulation(config.grad_accum_steps, ordered=config.deterministic_reductions,
+                            manual_axes=frozenset(axes), zero_axis=zero_axes(plan.mesh))
     layers = check_pipeline(config, plan.placements, stages, has_model_state)
     virtual = config.pipeline_virtual_stages
     schedule = build_schedule(config.pipeline_schedule, stages, config.grad_accum_steps, virtual)
@@ -89,7 +97,8 @@ def _source(config: Config, plan: ShardingPlan, has_model_state: bool) -> GradSo
     # `pipe` gives it model layers in one block, so the engine stores the stacked layers in pipeline
     # order (storage row -> model layer) and converts at the edges: checkpoints, evaluation, `model_params`.
     order = interleaved_layer_order(layers, stages, virtual) if schedule.virtual > 1 else None
-    return Pipelined(schedule, layers // (stages * virtual), config.grad_accum_steps, plan.placements, order)
+    return Pipelined(schedule, layers // (stages * virtual), config.grad_accum_steps, plan.placements, order,
+                     zero_axis=zero_axes(plan.mesh))
 
 
 # The compressed optimizers and their syncs (their update takes the exchanged momentum: optim/onebit.py).
@@ -129,6 +138,8 @@ def _onebit_sync(config: Config, plan: ShardingPlan, optimizer, abstract_params,
          "set the pipe axis to 1"),
         (mesh.shape.get(TENSOR_AXIS, 1) > 1, f"MeshConfig.axes['{TENSOR_AXIS}']", f"{name} with tensor "
          "slicing is not built (each slice would be its own compressed buffer)", "set the tensor axis to 1"),
+        (zero_axes(mesh) != DATA_AXIS, f"MeshConfig.axes['{SEQUENCE_AXIS}']", f"{name} with a sequence axis is not "
+         "built (its exchange runs over `data` alone)", "set the sequence axis to 1"),
     ]
     for refused, key, why, fix in refusals:
         if refused:

@@ -17,7 +17,7 @@ from zeroflax.pipeline.executor import active_stage
 from zeroflax.sharding.context import GatherUsage, LayerContext, reused_leaves
 from zeroflax.sharding.handles import ShardedLeaf
 from zeroflax.sharding.linen_groups import loss_scope
-from zeroflax.sharding.mesh import DATA_AXIS, TENSOR_AXIS
+from zeroflax.sharding.mesh import DATA_AXIS, TENSOR_AXIS, sequence_size
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_placement
 from zeroflax.sharding.remat import loss_remat_policy
 
@@ -79,7 +79,7 @@ class LossTrace:
             if stage3 and placement.zero_dim is not None:
                 first = 1 if placement.stacked else 0  # a stack's handle describes one layer
                 dim, sliced = placement.zero_dim - first, placement.auto_spec()[first:]
-                handle = ShardedLeaf(leaf, dim, DATA_AXIS, dtype, tuple(placement.shape[first:]), index, block,
+                handle = ShardedLeaf(leaf, dim, placement.zero_axis, dtype, tuple(placement.shape[first:]), index, block,
                                      sliced, sources[index], placement.pad)
                 return handle if placement.stacked or index in point_of_use else handle._gathered()
             return leaf.astype(dtype)
@@ -94,6 +94,7 @@ class LossTrace:
         return LayerContext(remat=self.remat, bucket=config.prefetch_bucket_size,
                             max_live=config.max_live_parameters, usage=usage,
                             sequence_parallel=config.sequence_parallel, tensor_size=self.mesh.shape.get(TENSOR_AXIS, 1),
+                            sequence_size=sequence_size(self.mesh), sequence_attention=config.sequence_attention,
                             logical_rules=config.logical_rules, data_axis_aliases=config.data_axis_aliases,
                             data_axis=DATA_AXIS, scan_owners=owners)
 
@@ -218,4 +219,10 @@ class LossTrace:
                 "Config.sequence_parallel=True applies to nothing in this loss: it marks no activation with "
                 "zeroflax.sequence_split, so activations stay whole on every tensor device (mark the residual "
                 "stream, as zeroflax.models.gpt does, or set sequence_parallel False)", stacklevel=4)
+        if sequence_size(self.mesh) > 1 and usage.sequence_slices == 0 and not usage.failed:
+            warnings.warn(
+                f"the mesh splits sequences over {sequence_size(self.mesh)} devices, but this loss takes no slice with "
+                "zeroflax.sequence_slice: every device of a sequence group computes the whole sequence (correct, "
+                "with no activation saved). Slice the tokens, positions and targets and wrap the attention in "
+                "zeroflax.sequence_attention, as zeroflax.models.gpt does", stacklevel=4)
         return usage

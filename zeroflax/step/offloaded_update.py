@@ -37,7 +37,7 @@ from zeroflax.optim.apply import apply_optimizer
 from zeroflax.optim.clipping import clip_to, global_norm
 from zeroflax.sharding.collectives import all_gather_exact, cut_padding
 from zeroflax.sharding.manual import on_slices
-from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
+from zeroflax.sharding.mesh import PIPE_AXIS, TENSOR_AXIS, zero_size
 from zeroflax.sharding.padding import constrain_true, fit, stored_abstract, stored_shape
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_none, is_placement
 from zeroflax.step.parts import Updated
@@ -112,7 +112,7 @@ class OffloadedUpdate:
         opt = sum(math.prod(stored_shape(x.shape, s)) * itemsize(x)
                   for x, s in zip(jax.tree.leaves(abstract_opt), jax.tree.leaves(plan.opt_state)))
         compute = np.dtype(config.compute_dtype).itemsize
-        data_size = mesh.shape[DATA_AXIS]
+        data_size = zero_size(mesh)
         if config.offload_param.enabled:  # only the persistent (never partitioned) leaves stay
             device = compute * sum(math.prod(p.shape) for p in placements if p.zero_dim is None)
         else:
@@ -309,7 +309,7 @@ class OffloadedUpdate:
         def gather(placement: LeafPlacement, shard):
             if placement.zero_dim is None:
                 return shard
-            whole = lambda s: cut_padding(all_gather_exact(s, placement.zero_dim, DATA_AXIS), placement.zero_dim,
+            whole = lambda s: cut_padding(all_gather_exact(s, placement.zero_dim, placement.zero_axis), placement.zero_dim,
                                           placement.pad)
             return on_slices(whole, shard, placement.auto_spec())
 

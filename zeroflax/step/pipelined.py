@@ -12,14 +12,16 @@ from zeroflax.pipeline.executor import run_schedule, stage_hook
 from zeroflax.pipeline.layout import take_layers
 from zeroflax.pipeline.schedule import Schedule
 from zeroflax.sharding.manual import psum_on_slices
-from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS
 from zeroflax.sharding.policy import is_placement
 
 
 class Pipelined:
-    manual_axes = frozenset({DATA_AXIS, PIPE_AXIS})
-
-    def __init__(self, schedule: Schedule, layers_per_chunk: int, accum: int, placements, layer_order=None):
+    def __init__(self, schedule: Schedule, layers_per_chunk: int, accum: int, placements, layer_order=None,
+                 zero_axis=DATA_AXIS):
+        # Manual over `data` and `pipe`, and `sequence` with a sequence axis (ZeRO's axes are then both).
+        self.zero_axis = zero_axis
+        self.manual_axes = frozenset({DATA_AXIS, PIPE_AXIS} | ({SEQUENCE_AXIS} if zero_axis != DATA_AXIS else set()))
         self.schedule = schedule
         self.layers_per_chunk = layers_per_chunk
         self.accum = accum
@@ -51,7 +53,8 @@ class Pipelined:
         # Only the last stage computed losses: the sum over `pipe` is theirs.
         loss = jax.lax.psum(loss, PIPE_AXIS) / self.accum
         aux = jax.tree.map(lambda a: jax.lax.psum(a, PIPE_AXIS) / self.accum, aux)
-        return grads, jax.lax.pmean(loss, DATA_AXIS), jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXIS), aux), None
+        mean = lambda x: jax.lax.pmean(x, self.zero_axis)
+        return grads, mean(loss), jax.tree.map(mean, aux), None
 
     def after_sync(self, grads):
         """Leaves every stage holds (embeddings, the head, tied ones too) got a gradient from the stages
