@@ -37,10 +37,11 @@ import re
 import jax
 import numpy as np
 
-from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
+from zeroflax.axes import PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS
 from zeroflax.hlo import (ARRAY_TYPE, DTYPE_BYTES, OP_NAME, array_bytes, computation_multipliers, first_replica_group,
                           scope_weight, source_target_pairs, split_computations)
 from zeroflax.sharding.padding import stored_shape
+from zeroflax.sharding.mesh import zero_axes
 from zeroflax.sharding.policy import is_placement
 from zeroflax.step.phases import STEADY
 
@@ -249,6 +250,27 @@ def megatron_all_reduces(layers: int, stages: int, virtual: int, micro_batches: 
     return micro_batches * sum(per_virtual) / stages
 
 
+def sequence_axis_bytes(attention: str, calls: float, q_bytes: int, kv_bytes: int, kv_elements: int, size: int,
+                        recompute: bool) -> float:
+    """Bytes per device per step over `sequence` for `calls` attention calls (layers x micro-batches) on this
+    device's tokens: q and each of k, v of `q_bytes` and `kv_bytes` (zeroflax/sharding/sequence.py).
+
+    Ulysses: per call 4 all-to-alls forward (q, k, v to a split over heads, the output back) and their 4
+    transposes backward, each moving (S-1)/S of its array. Ring: forward, S-1 sends of this device's k and v
+    block; backward (a custom VJP that keeps only O(T/S) residuals), k and v sent round again (S-1) and the
+    float32 dk/dv accumulators S times (sharding/ring_attention.py). A remat policy recomputes the forward
+    in the backward pass, with its collectives (all-to-all and custom-VJP outputs are not matmul outputs, so
+    every policy but 'none' does)."""
+    if size <= 1:
+        return 0.0
+    forwards = 2 if recompute else 1
+    if attention == "ulysses":
+        return calls * (forwards + 1) * (2 * q_bytes + 2 * kv_bytes) * (size - 1) / size
+    forward = 2 * (size - 1) * kv_bytes
+    backward = 2 * (size - 1) * kv_bytes + 2 * size * kv_elements * 4
+    return calls * (forwards * forward + backward)
+
+
 def _is_host_space(aval) -> bool:
     return str(getattr(aval, "memory_space", "")).endswith("Host")
 
@@ -324,20 +346,22 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     local_true = _local_elements((leaves, without_data, placements), None, lambda p: True)
     with_data = [jax.sharding.NamedSharding(engine.mesh, p.spec(True)) for p in placements]
     local = local_true if stage == 0 else (
-        engine.data_size * _local_elements((leaves, with_data, placements), None, lambda p: p.zero_dim is not None)
+        engine.zero_size * _local_elements((leaves, with_data, placements), None, lambda p: p.zero_dim is not None)
         + _local_elements((leaves, without_data, placements), None, lambda p: p.zero_dim is None))
     accum = engine.config.grad_accum_steps
     # The gradient sync's own theory over `data` (ZeRO's volume, or 1-bit Adam's compressed exchange).
     data_theory = lambda params: engine.sync.data_axis_bytes(
-        theory_bytes(stage, params, engine.data_size, compute, grad, accum, offload), stage, grad, engine.clock.of(
+        theory_bytes(stage, params, engine.zero_size, compute, grad, accum, offload), stage, grad, engine.clock.of(
             engine.sync, phase))
-    theory_by_axis = {DATA_AXIS: data_theory(local)}
+    zero = zero_axes(engine.mesh)
+    zero_key = zero if isinstance(zero, str) else "+".join(zero)  # 'data', or 'data+sequence'
+    theory_by_axis = {zero_key: data_theory(local)}
     if engine.schedule is not None and stage >= 2:
         # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch and tick, a stage's
         # backward tick recomputes its forward (gathering again at 3), and only the first and last
         # stages use the shared leaves: no formula is claimed for that (docs/perf.md has the measured
         # bytes), so none is printed beside it.
-        del theory_by_axis[DATA_AXIS]
+        del theory_by_axis[zero_key]
     permute = sum(c.bytes_per_step for c in collectives if c.kind == "collective-permute")
     permute_theory = 0.0
     if schedule_tables is not None:
@@ -364,6 +388,14 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
                                      engine.config.grad_accum_steps, engine.remat,
                                      any(not p.stacked for p in sliced), engine.config.sequence_parallel)
         theory_by_axis[TENSOR_AXIS] = count * 2 * usage.layer_carry_bytes * (tensor - 1) / tensor
+    sequence = engine.zero_size // engine.data_size
+    if sequence > 1 and usage is not None and usage.sequence_attentions and engine.schedule is None:
+        # One attention per traced call; a call traced in a scanned layer runs once per layer.
+        layers = next((p.shape[0] for p in placements if p.stacked), 1)
+        q_bytes, kv_bytes, kv_elements = usage.attention_bytes
+        theory_by_axis[SEQUENCE_AXIS] = sequence_axis_bytes(
+            engine.config.sequence_attention, layers * usage.sequence_attentions * accum, q_bytes, kv_bytes,
+            kv_elements, sequence, engine.remat != "none")
     transfers = {}
     if offload:
         state_abs, batch_abs = engine.abstract_args(state, batch)
@@ -374,12 +406,12 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         transfers = dict(host_to_device=to_device, device_to_host=to_host, host_to_device_theory=to_device_theory,
                        device_to_host_theory=to_host_theory)
     return CommReport(
-        stage=stage, data_size=engine.data_size, num_params=num_params,
+        stage=stage, data_size=engine.zero_size, num_params=num_params,
         compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, by_dtype=by_dtype, total_bytes=total,
         # With a pipe or tensor axis the whole-step theory is the sum of the axes that have one.
         theory_bytes=(sum(theory_by_axis.values()) if len(engine.mesh.shape) > 1 and
-                      (engine.mesh.shape.get(PIPE_AXIS, 1) > 1 or engine.mesh.shape.get(TENSOR_AXIS, 1) > 1)
-                      else data_theory(local)),
+                      (engine.mesh.shape.get(PIPE_AXIS, 1) > 1 or engine.mesh.shape.get(TENSOR_AXIS, 1) > 1
+                       or sequence > 1) else data_theory(local)),
         phase=phase, padded_params=local - local_true, padding_bytes=data_theory(local) - data_theory(local_true),
         unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives],
         by_axis=by_axis, theory_by_axis=theory_by_axis, permute_bytes=permute, permute_theory=permute_theory,

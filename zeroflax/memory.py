@@ -62,6 +62,7 @@ class MemoryReport:
     theory_at_rest: float
     pipe_size: int = 1  # pipeline stages (the pipe axis)
     tensor_size: int = 1  # tensor-slicing ways (the tensor axis)
+    sequence_size: int = 1  # devices each example's tokens are split over (the sequence axis; part of N)
     bubble_fraction: float = 0.0  # idle share of the configured pipeline schedule's ticks
     # ZeRO-3's gathered weights (stage 3; zeros and empty otherwise), see `gathered_weights_at_peak`:
     gathered_peak: int = 0  # most bytes of gathered weights alive at once
@@ -131,6 +132,8 @@ class MemoryReport:
             ("peak estimate", self.peak_estimate),
         ]
         axes = f", pipe {self.pipe_size}, tensor {self.tensor_size}" if self.pipe_size * self.tensor_size > 1 else ""
+        if self.sequence_size > 1:  # ZeRO's N is data x sequence
+            axes += f", of it sequence {self.sequence_size}"
         lines = [f"memory per device (ZeRO stage {self.stage}, N={self.data_size}{axes}, Psi={self.num_params:,})",
                  f"  {'category':<28}{'MiB':>12}"]
         lines += [f"  {name:<28}{mib(value)}" for name, value in rows]
@@ -274,7 +277,7 @@ def leaf_states(engine) -> tuple[list, list]:
 def leaf_sections(engine) -> dict:
     """The report's padded and whole leaves, the padding per device and the whole leaves' excess over 1/N
     (`MemoryReport`'s fields of those names)."""
-    config, plan, n = engine.config, engine.plan, engine.data_size
+    config, plan, n = engine.config, engine.plan, engine.zero_size
     stage, offload = config.zero_stage, plan.offload
     # The states the theory divides by N (at this stage, or on the host under offload).
     divided = {"params": stage == 3 or offload, "opt_state": stage >= 1 or offload,
@@ -366,18 +369,18 @@ def memory_report(engine, state, batch) -> MemoryReport:
     if engine.sync.state_bytes():
         sync = dict(sync_state=shard_bytes(abstract.sync_state, shardings.sync_state),
                     sync_theory=engine.sync.state_bytes())
-    theory = theory_at_rest(engine.config.zero_stage, num_params, engine.data_size, full_params / num_params,
+    theory = theory_at_rest(engine.config.zero_stage, num_params, engine.zero_size, full_params / num_params,
                             full_opt / num_params, pipe * tensor, (pad_params, pad_opt))
     if offload:
         theory = offload["theory_device"] + offload["theory_host"]
     return MemoryReport(
-        stage=engine.config.zero_stage, data_size=engine.data_size, num_params=num_params,
+        stage=engine.config.zero_stage, data_size=engine.zero_size, num_params=num_params,
         params=params, opt_state=opt, grad_buffer=grads, other_state=other, batch=batch_bytes,
         argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
         temp=stats.temp_size_in_bytes, alias=stats.alias_size_in_bytes,
         theory_at_rest=theory, compute_params=compute_params, pending_grads=pending, host_params=host_params,
         host_opt_state=host_opt, xla_host=xla_host, **offload, **sync,
-        pipe_size=pipe, tensor_size=tensor,
+        pipe_size=pipe, tensor_size=tensor, sequence_size=engine.zero_size // engine.data_size,
         bubble_fraction=engine.schedule.bubble_fraction() if engine.schedule is not None else 0.0, **gathered,
         **leaf_sections(engine))
 
