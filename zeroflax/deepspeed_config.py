@@ -42,7 +42,7 @@ from zeroflax.deepspeed_auto import AutoSources, resolve_auto
 from zeroflax.deepspeed_keys import as_int, check_block
 from zeroflax.deepspeed_optimizer import build_optimizer, fp16_loss_scaling, read_optimizer
 from zeroflax.deepspeed_precision import read_autocast, read_data_types, read_precision
-from zeroflax.deepspeed_runtime import read_batch, read_clipping, read_remat, read_tensor_parallel
+from zeroflax.deepspeed_runtime import read_batch, read_clipping, read_remat, read_sequence_parallel, read_tensor_parallel
 from zeroflax.deepspeed_scheduler import read_scheduler
 from zeroflax.deepspeed_settings import Settings
 from zeroflax.deepspeed_sparse import SparseAttention, make_sparsity, read_sparse_attention
@@ -203,6 +203,7 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
 
     axes = dict(settings.bound.get("MeshConfig.axes", base.mesh.axes))
     axes = read_tensor_parallel(ds, settings, axes, notes)
+    axes = read_sequence_parallel(ds, settings, axes, notes)
     if world_size is not None:
         axes[DATA_AXIS] = as_int(world_size, "world_size", 1)
     try:

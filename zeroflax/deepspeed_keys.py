@@ -79,6 +79,8 @@ MAPPED: dict[str, str] = {
     "data_types.grad_accum_dtype": "noted: zeroflax accumulates gradients in fp32",
     "data_types.param_dtype": "checked against Config.precision, as DeepSpeed asserts",
     "tensor_parallel.autotp_size": "MeshConfig.axes['tensor'] (0 or 1: no tensor slicing)",
+    "sequence_parallel_size": "MeshConfig.axes['sequence'] (DeepSpeed-Ulysses: Config.sequence_attention 'ulysses' "
+                              "unless bound otherwise; 1: no sequence axis)",
 }
 
 _XLA_COMM = "XLA schedules and fuses the collectives itself"
@@ -207,8 +209,6 @@ REFUSED: dict[str, tuple[str, str, tuple]] = {
     "hybrid_engine": ("DeepSpeed-Chat's hybrid engine is not built", "remove the block", (DISABLED,)),
     "elasticity": ("elastic batch sizes are not built", "write the batch keys instead", (DISABLED,)),
     "expert_parallel": ("no mixture-of-experts parallelism", "remove the block", ()),
-    "sequence_parallel_size": ("Ulysses sequence parallelism is not built (Config.sequence_parallel is Megatron's, "
-                               "over the tensor axis)", "remove it, or use 1", (1,)),
     "data_parallel_size": ("the data-parallel size is the mesh's data axis (from_deepspeed's world_size)",
                            "remove it", ()),
     # fp16 / bf16

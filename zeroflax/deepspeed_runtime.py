@@ -6,7 +6,7 @@ DeepSpeed's batch rule over the data-parallel size), gradient_clipping, the acti
 """
 from __future__ import annotations
 
-from zeroflax.axes import TENSOR_AXIS
+from zeroflax.axes import SEQUENCE_AXIS, TENSOR_AXIS
 from zeroflax.config import ConfigError
 from zeroflax.deepspeed_keys import as_block, as_int, as_number, check_block
 from zeroflax.deepspeed_settings import Settings
@@ -84,6 +84,22 @@ def read_remat(ds: dict, settings: Settings, notes: list) -> str | None:
     block = as_block(ds["activation_checkpointing"], "activation_checkpointing")
     check_block(block, "activation_checkpointing", notes)
     return settings.set("Config.remat", "full", "activation_checkpointing")
+
+
+def read_sequence_parallel(ds: dict, settings: Settings, axes: dict, notes: list) -> dict:
+    """DeepSpeed-Ulysses' `sequence_parallel_size`: the mesh's sequence axis. DeepSpeed's batch rule then divides
+    by the data-parallel size alone (world / sequence), which is the mesh's data axis here too."""
+    if "sequence_parallel_size" not in ds:
+        return axes
+    size = as_int(ds["sequence_parallel_size"], "sequence_parallel_size", 1)
+    bound = settings.bound.get("MeshConfig.axes", {}).get(SEQUENCE_AXIS)
+    if bound is not None and bound != size:
+        raise ConfigError("sequence_parallel_size", f"gives a sequence axis of {size} but MeshConfig.axes is bound "
+                          f"with sequence {bound} elsewhere (gin)", "remove one of the two, or make them agree")
+    if size > 1:
+        notes.append(f"sequence_parallel_size {size}: MeshConfig.axes['{SEQUENCE_AXIS}'] = {size}; attention by "
+                     "Config.sequence_attention (DeepSpeed's is 'ulysses', the default)")
+    return {**axes, SEQUENCE_AXIS: size} if size > 1 else {k: v for k, v in axes.items() if k != SEQUENCE_AXIS}
 
 
 def read_tensor_parallel(ds: dict, settings: Settings, axes: dict, notes: list) -> dict:
