@@ -174,3 +174,28 @@ def test_activations_per_device_fall_with_the_sequence_axis():
         temps[sequence] = report.temp
     print({s: round(t / 2**20, 3) for s, t in temps.items()})
     assert temps[2] <= 0.67 * temps[1] and temps[4] <= 0.67 * temps[2]
+
+
+def test_the_planner_chooses_a_sequence_axis(tmp_path):
+    """`zeroflax plan --sequence 1,8` on a sequence of 4096 tokens, a budget one device's whole sequence
+    exceeds: the winner splits it over 8 devices, the written gin file binds the axis, and the data-parallel
+    candidate is rejected (by the peak model or its compile)."""
+    import gin
+    import json
+    from zeroflax import cli
+    from cli_helpers import TINY, tiny_bindings
+    out, report = tmp_path / "plan.gin", tmp_path / "plan.json"
+    args = ["plan", "--gin_file", TINY, *tiny_bindings(tmp_path / "run"), "--gin_param", "TrainConfig.seq_len = 4096",
+            "--gin_param", "GPTConfig.max_len = 4096", "--gin_param", "Config.train_batch_size = 8",
+            "--gin_param", "Config.sequence_attention = 'ring'", "--device-memory", "24MiB", "--sequence", "1,8",
+            "--stages", "3", "--offload", "none", "--remat", "full", "--tensor", "1", "--micro-batches", "1",
+            "--out", str(out), "--json", str(report), "--no_progress"]
+    try:
+        assert cli.main(args) == 0
+    finally:
+        gin.clear_config()
+    result = json.loads(report.read_text())
+    assert result["winner"]["sequence"] == 8 and result["winner"]["device_peak"] <= result["budget"]
+    others = [c for c in result["candidates"] if c["sequence"] == 1]
+    assert others and all(c["status"] in ("pruned", "over budget") for c in others)
+    assert "'sequence': 8" in out.read_text()

@@ -22,7 +22,7 @@ import dataclasses
 import math
 import re
 
-from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS
 from zeroflax.comm import megatron_all_reduces
 from zeroflax.hlo import computation_multipliers, scope_weight, split_computations
 
@@ -90,7 +90,7 @@ class Cost:
 
 
 # ------------------------------------------------------------------------------------ analytic bound
-def gpt_matmul_flops(gpt, seq: int, tokens: float, remat: str, pipe: int = 1) -> float:
+def gpt_matmul_flops(gpt, seq: int, tokens: float, remat: str, pipe: int = 1, causal_skip: bool = False) -> float:
     """Matmul FLOPs of forward + backward (+ the recomputation the policy surely does) for `tokens` tokens.
 
     Forward: 2 x tokens x (per layer 3d^2 + d^2 + 2 d f, and the head d V) plus the attention's two
@@ -99,10 +99,13 @@ def gpt_matmul_flops(gpt, seq: int, tokens: float, remat: str, pipe: int = 1) ->
     einsums under 'dots_no_batch' (they have batch dimensions); under 'full' the layers' forward, of
     which the compiled step skips the last layer's (measured), so L - 1 layers are counted, and under a
     pipeline of S stages L - S (each stage's scan skips its last). A pipeline's backward tick also
-    recomputes its stage's forward; that is not counted."""
+    recomputes its stage's forward; that is not counted. `causal_skip`: the attention skips the masked half
+    (ring attention's tiles, which a sequence axis may run), so half of it is counted."""
     d, f, layers = gpt.d_model, gpt.ff, gpt.num_layers
     matmul = 2 * tokens * (layers * (4 * d * d + 2 * d * f) + d * gpt.vocab_size)
     attention = layers * 4 * tokens * seq * d if gpt.attention in ("dense", "dot_product") else 0.0
+    if causal_skip:
+        attention /= 2
     forward = matmul + attention
     recompute = 0.0
     if remat == "full":
@@ -122,7 +125,10 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
 
     gpt = spec.gpt
     mesh = setup.mesh
-    n, tensor, pipe = mesh[DATA_AXIS], mesh.get(TENSOR_AXIS, 1), mesh.get(PIPE_AXIS, 1)
+    # ZeRO's N is data x sequence; a sequence axis of S gives each device 1/S of the tokens (attention's
+    # collectives over it are left out: a lower bound).
+    sequence = mesh.get(SEQUENCE_AXIS, 1)
+    n, tensor, pipe = mesh[DATA_AXIS] * sequence, mesh.get(TENSOR_AXIS, 1), mesh.get(PIPE_AXIS, 1)
     compute = PRECISION_BYTES[setup.precision]
     share = (n - 1) / n
     optimizer_off = offload != "none"
@@ -152,7 +158,7 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
     host = 0.0
     if optimizer_off:  # the update on the host: gradients down, the compute copy up, streamed shards
         host = grads_to_host + compute * copy_elements + accum * MASTER_BYTES * streamed
-    activation = micro_batch * seq * gpt.d_model * compute  # one micro-batch's residual stream on one device
+    activation = micro_batch * seq * gpt.d_model * compute / sequence  # one micro-batch's residual stream on one device
     if tensor > 1:
         vocab_parallel = dict(setup.logical_rules or DEFAULT_LOGICAL_RULES).get("vocab") == TENSOR_AXIS
         count = megatron_all_reduces(gpt.num_layers, pipe, 1, accum, remat, vocab_parallel)
@@ -164,7 +170,7 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
         comm += 2 * accum * (pipe - 1) * activation / pipe
         bubble = (pipe - 1) / accum
     tokens = global_batch * seq / n
-    flops = gpt_matmul_flops(gpt, seq, tokens, remat, pipe) / (tensor * pipe)
+    flops = gpt_matmul_flops(gpt, seq, tokens, remat, pipe, causal_skip=sequence > 1) / (tensor * pipe)
     return Cost(comm, host, flops, bubble, "analytic")
 
 

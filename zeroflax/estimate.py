@@ -38,7 +38,7 @@ import math
 import types
 from typing import Any
 
-from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
+from zeroflax.axes import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS
 from zeroflax.config import ConfigError
 
 MASTER_BYTES = 4  # fp32 master weights and gradients
@@ -168,7 +168,7 @@ def spec_from_gpt(gpt, optimizer=None) -> ModelSpec:
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """The parallel layout and precision the zeroflax figures are for."""
-    mesh: dict  # axis -> size, resolved (data, tensor, and pipe when present)
+    mesh: dict  # axis -> size, resolved (data, tensor, and pipe and sequence when present)
     devices_per_node: int
     precision: str = "fp32"
     persistence_threshold: int = 100_000
@@ -176,7 +176,8 @@ class Setup:
 
     @property
     def data(self) -> int:
-        return self.mesh[DATA_AXIS]
+        """ZeRO's N: the data axis, times the sequence axis (ZeRO partitions over both: sharding.mesh.zero_axes)."""
+        return self.mesh[DATA_AXIS] * self.mesh.get(SEQUENCE_AXIS, 1)
 
 
 def leaf_placements(spec: ModelSpec, setup: Setup, stored: bool = False):
@@ -192,7 +193,7 @@ def leaf_placements(spec: ModelSpec, setup: Setup, stored: bool = False):
     out = []
     for leaf in spec.leaves:
         if leaf.names == ("flat",):  # a bare count: sliced by every model-parallel axis, always partitioned
-            split = math.prod(size for axis, size in setup.mesh.items() if axis != DATA_AXIS)
+            split = math.prod(size for axis, size in setup.mesh.items() if axis not in (DATA_AXIS, SEQUENCE_AXIS))
             out.append((leaf, leaf.size / split, setup.data > 1) + ((leaf.size / split,) if stored else ()))
             continue
         names = leaf.names or (None,) * len(leaf.shape)
@@ -318,8 +319,8 @@ def gpt_peak(spec: ModelSpec, setup: Setup, states: States, train: dict) -> floa
     With a tensor axis of T the activations count 1/T: Megatron's slicing splits those of the heads, the
     MLP and the vocabulary, not the residual stream's, so this under-counts them (docs/plan.md).
     tests/test_estimate.py measures the error against memory_analysis; docs/plan.md has the figures."""
-    if setup.mesh.get(PIPE_AXIS, 1) > 1:
-        return None
+    if setup.mesh.get(PIPE_AXIS, 1) > 1 or setup.mesh.get(SEQUENCE_AXIS, 1) > 1:
+        return None  # (a sequence axis: ring attention's tiles and Ulysses' head split are not modeled)
     tensor = setup.mesh.get(TENSOR_AXIS, 1)
     gpt, remat, micro, accum = spec.gpt, train["remat"], train["micro_batch"], train["accum"]
     full = sum(MASTER_BYTES * local for _, local, _ in leaf_placements(spec, setup))

@@ -35,7 +35,7 @@ import time
 import warnings
 from typing import Any
 
-from zeroflax.axes import PIPE_AXIS
+from zeroflax.axes import PIPE_AXIS, SEQUENCE_AXIS
 from zeroflax.config import ConfigError
 
 # The modeled peak is used to prune only when it exceeds the budget by more than this share: its largest
@@ -62,10 +62,11 @@ class Candidate:
     measured: Any = None  # cost.Cost from the compiled program
     device_peak: float | None = None  # compiled: argument + output + temp - alias, less host states
     compile_s: float = 0.0
+    sequence: int = 1  # the sequence axis (long sequences: docs/parallelism.md); data x sequence is ZeRO's N
 
     @property
     def label(self) -> str:
-        mesh = f"p{self.pipe}xd{self.data}xt{self.tensor}"
+        mesh = f"p{self.pipe}xd{self.data}" + (f"xs{self.sequence}" if self.sequence > 1 else "") + f"xt{self.tensor}"
         return f"{mesh} z{self.stage} {self.offload} {self.remat} {self.micro_batch}x{self.accum}"
 
     def seconds(self, rates) -> float:
@@ -77,6 +78,8 @@ class Candidate:
         from zeroflax.estimate import row_config
         axes = {PIPE_AXIS: self.pipe} if self.pipe > 1 else {}
         axes.update(data=self.data, tensor=self.tensor)
+        if self.sequence > 1:
+            axes[SEQUENCE_AXIS] = self.sequence
         return row_config(base, self.stage, self.offload, mesh=MeshConfig(axes), remat=self.remat,
                           micro_batch_size=self.micro_batch, grad_accum_steps=self.accum,
                           train_batch_size=self.micro_batch * self.accum * self.data)
@@ -92,6 +95,7 @@ class Space:
     micro_batches: tuple | None = None
     tensor: tuple | None = None
     pipe: tuple | None = (1,)  # pipelines only on request (--pipe): see docs/plan.md
+    sequence: tuple | None = (1,)  # sequence axes only on request (--sequence); None: every divisor
 
 
 def _divisors(n: int) -> list[int]:
@@ -104,10 +108,11 @@ def enumerate_candidates(base, gpt, devices: int, global_batch: int, space: Spac
     tensors = space.tensor or [t for t in _divisors(devices) if gpt.num_heads % t == 0]
     pipes = space.pipe or [p for p in _divisors(devices) if gpt.num_layers % p == 0]
     remats = space.remats or REMAT_POLICIES
-    for pipe, tensor in itertools.product(pipes, tensors):
-        if devices % (pipe * tensor):
+    sequences = space.sequence or _divisors(devices)
+    for pipe, tensor, sequence in itertools.product(pipes, tensors, sequences):
+        if devices % (pipe * tensor * sequence):
             continue
-        data = devices // (pipe * tensor)
+        data = devices // (pipe * tensor * sequence)
         if global_batch % data:
             continue
         per_rank = global_batch // data
@@ -115,7 +120,8 @@ def enumerate_candidates(base, gpt, devices: int, global_batch: int, space: Spac
         for stage, offload, remat, micro in itertools.product(space.stages, space.offloads, remats, micros):
             if (offload == "optimizer" and stage == 0) or (offload == "optimizer+param" and stage != 3):
                 continue  # not configurations at all (Config refuses them): not listed
-            out.append(Candidate(pipe, tensor, data, stage, offload, remat, micro, per_rank // micro))
+            out.append(Candidate(pipe, tensor, data, stage, offload, remat, micro, per_rank // micro,
+                                 sequence=sequence))
     return out
 
 
@@ -167,6 +173,8 @@ class Planner:
         from zeroflax.estimate import Setup
         mesh = {PIPE_AXIS: c.pipe} if c.pipe > 1 else {}
         mesh.update(data=c.data, tensor=c.tensor)
+        if c.sequence > 1:
+            mesh[SEQUENCE_AXIS] = c.sequence
         return Setup(mesh, self.devices, self.base.precision, self.base.persistence_threshold, self.base.logical_rules)
 
     def analyse(self, c: Candidate, global_batch: int) -> None:

@@ -49,6 +49,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--micro-batches", default=None, help="micro-batch sizes (default: every divisor)")
     p.add_argument("--tensor", default=None, help="tensor sizes (default: divisors of devices and heads)")
     p.add_argument("--pipe", default="1", help="pipe sizes, e.g. 1,2,4 (default 1: no pipeline; docs/plan.md)")
+    p.add_argument("--sequence", default="1", help="sequence axis sizes, e.g. 1,8,64 (default 1: no split of the "
+                   "sequence; attention by Config.sequence_attention; docs/parallelism.md)")
     p.add_argument("--tie", type=float, default=0.0,
                    help="bounds within this share of the best cost count as no cheaper (default 0: strict)")
     p.add_argument("--max-compiles", type=int, default=None, help="stop compiling after this many")
@@ -73,7 +75,8 @@ def space_from_args(args) -> plan.Space:
         if not remats or not set(remats) <= set(REMAT_POLICIES):
             raise ConfigError("--remat", f"must list some of {', '.join(REMAT_POLICIES)}, got {args.remat!r}")
     lists = {}
-    for key, flag in (("micro_batches", "--micro-batches"), ("tensor", "--tensor"), ("pipe", "--pipe")):
+    for key, flag in (("micro_batches", "--micro-batches"), ("tensor", "--tensor"), ("pipe", "--pipe"),
+                      ("sequence", "--sequence")):
         text = getattr(args, key)
         lists[key] = tuple(int_list(text, flag)) if text else None
         if lists[key] and min(lists[key]) < 1:
