@@ -41,7 +41,7 @@ from zeroflax.axes import PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS
 from zeroflax.hlo import (ARRAY_TYPE, DTYPE_BYTES, OP_NAME, array_bytes, computation_multipliers, first_replica_group,
                           scope_weight, source_target_pairs, split_computations)
 from zeroflax.sharding.padding import stored_shape
-from zeroflax.sharding.mesh import zero_axes
+from zeroflax.sharding.mesh import axis_names, sequence_size, zero_axes
 from zeroflax.sharding.policy import is_placement
 from zeroflax.step.phases import STEADY
 
@@ -353,8 +353,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     data_theory = lambda params: engine.sync.data_axis_bytes(
         theory_bytes(stage, params, engine.zero_size, compute, grad, accum, offload), stage, grad, engine.clock.of(
             engine.sync, phase))
-    zero = zero_axes(engine.mesh)
-    zero_key = zero if isinstance(zero, str) else "+".join(zero)  # 'data', or 'data+sequence'
+    zero_key = "+".join(axis_names(zero_axes(engine.mesh)))  # 'data', or 'data+sequence'
     theory_by_axis = {zero_key: data_theory(local)}
     if engine.schedule is not None and stage >= 2:
         # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch and tick, a stage's
@@ -388,7 +387,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
                                      engine.config.grad_accum_steps, engine.remat,
                                      any(not p.stacked for p in sliced), engine.config.sequence_parallel)
         theory_by_axis[TENSOR_AXIS] = count * 2 * usage.layer_carry_bytes * (tensor - 1) / tensor
-    sequence = engine.zero_size // engine.data_size
+    sequence = sequence_size(engine.mesh)
     if sequence > 1 and usage is not None and usage.sequence_attentions and engine.schedule is None:
         # One attention per traced call; a call traced in a scanned layer runs once per layer.
         layers = next((p.shape[0] for p in placements if p.stacked), 1)

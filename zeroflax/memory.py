@@ -39,6 +39,7 @@ import optax
 from zeroflax.axes import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from zeroflax.hlo import ARRAY_TYPE, DTYPE_BYTES, array_bytes, split_computations
 from zeroflax.sharding.padding import shards_per_dim, stored_shape
+from zeroflax.sharding.mesh import sequence_size
 from zeroflax.sharding.scopes import GROUP_NAME
 from zeroflax.sharding.policy import is_none, is_placement, shard_bytes
 
@@ -380,7 +381,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
         temp=stats.temp_size_in_bytes, alias=stats.alias_size_in_bytes,
         theory_at_rest=theory, compute_params=compute_params, pending_grads=pending, host_params=host_params,
         host_opt_state=host_opt, xla_host=xla_host, **offload, **sync,
-        pipe_size=pipe, tensor_size=tensor, sequence_size=engine.zero_size // engine.data_size,
+        pipe_size=pipe, tensor_size=tensor, sequence_size=sequence_size(engine.mesh),
         bubble_fraction=engine.schedule.bubble_fraction() if engine.schedule is not None else 0.0, **gathered,
         **leaf_sections(engine))
 

@@ -45,6 +45,11 @@ def zero_axes(mesh: Mesh):
     return (DATA_AXIS, SEQUENCE_AXIS) if sequence_size(mesh) > 1 else DATA_AXIS
 
 
+def axis_names(axes) -> tuple:
+    """The axis names of `axes` (one name, or a tuple of them as `zero_axes` gives)."""
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def zero_size(mesh: Mesh) -> int:
     """The devices ZeRO partitions over: data x sequence."""
     return mesh.shape[DATA_AXIS] * sequence_size(mesh)

@@ -15,7 +15,7 @@ from zeroflax.optim.onebit_lamb import OneBitLamb, OneBitLambState
 from zeroflax.optim.zero_one_adam import ZeroOneAdam, ZeroOneAdamState
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order
 from zeroflax.pipeline.schedule import build_schedule
-from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS, pipe_size, zero_axes
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS, axis_names, pipe_size, zero_axes
 from zeroflax.sharding.padding import stored_abstract
 from zeroflax.sharding.policy import ShardingPlan
 from zeroflax.step.accumulate import Accumulation
@@ -87,9 +87,9 @@ def build_parts(config: Config, plan: ShardingPlan, optimizer: optax.GradientTra
 def _source(config: Config, plan: ShardingPlan, has_model_state: bool) -> GradSource:
     stages = pipe_size(plan.mesh)
     if stages == 1:
-        axes = {DATA_AXIS, SEQUENCE_AXIS} if zero_axes(plan.mesh) != DATA_AXIS else {DATA_AXIS}
+        zero = zero_axes(plan.mesh)
         return Accumulation(config.grad_accum_steps, ordered=config.deterministic_reductions,
-                            manual_axes=frozenset(axes), zero_axis=zero_axes(plan.mesh))
+                            manual_axes=frozenset(axis_names(zero)), zero_axis=zero)
     layers = check_pipeline(config, plan.placements, stages, has_model_state)
     virtual = config.pipeline_virtual_stages
     schedule = build_schedule(config.pipeline_schedule, stages, config.grad_accum_steps, virtual)

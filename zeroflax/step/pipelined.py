@@ -12,7 +12,7 @@ from zeroflax.pipeline.executor import run_schedule, stage_hook
 from zeroflax.pipeline.layout import take_layers
 from zeroflax.pipeline.schedule import Schedule
 from zeroflax.sharding.manual import psum_on_slices
-from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS
+from zeroflax.sharding.mesh import DATA_AXIS, PIPE_AXIS, axis_names
 from zeroflax.sharding.policy import is_placement
 
 
@@ -21,7 +21,7 @@ class Pipelined:
                  zero_axis=DATA_AXIS):
         # Manual over `data` and `pipe`, and `sequence` with a sequence axis (ZeRO's axes are then both).
         self.zero_axis = zero_axis
-        self.manual_axes = frozenset({DATA_AXIS, PIPE_AXIS} | ({SEQUENCE_AXIS} if zero_axis != DATA_AXIS else set()))
+        self.manual_axes = frozenset({PIPE_AXIS, *axis_names(zero_axis)})
         self.schedule = schedule
         self.layers_per_chunk = layers_per_chunk
         self.accum = accum
