@@ -43,8 +43,9 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
 class MeshConfig:
     """Named mesh axes and their sizes, in mesh order. `-1` means "all remaining devices".
 
-    `data` is the ZeRO (data-parallel) axis, `tensor` the tensor-slicing axis, and an optional `pipe`
-    axis (an explicit size) splits the stacked layers into pipeline stages.
+    `data` is the ZeRO (data-parallel) axis, `tensor` the tensor-slicing axis, an optional `pipe`
+    axis (an explicit size) splits the stacked layers into pipeline stages, and an optional `sequence`
+    axis splits each example's tokens (ZeRO then partitions over data x sequence; Config.sequence_attention).
     """
 
     axes: Mapping[str, int] = dataclasses.field(default_factory=lambda: {DATA_AXIS: -1, TENSOR_AXIS: 1})
