@@ -1,0 +1,1 @@
+"""Files that hold training state on a local disk (NVMe offload)."""
