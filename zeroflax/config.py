@@ -314,6 +314,9 @@ class Config:
                 "offloads the partitioned optimizer state, but zero_stage is 0", "set zero_stage to 1, 2 or 3")
         require(not (self.offload_param.enabled and self.zero_stage != 3), "OffloadParamConfig.device",
                 f"offloads ZeRO-3's partitioned parameters, but zero_stage is {self.zero_stage}", "set zero_stage = 3")
+        require(not (self.offload_param.enabled and self.offload_optimizer.on_disk), "OffloadParamConfig.device",
+                "streams the fp32 master weights from host memory, but offload_optimizer keeps them on disk",
+                "set offload_param 'none' (the device keeps a compute-dtype shard), or offload_optimizer 'cpu'")
         require(not (self.offload_param.enabled and not self.offload_optimizer.enabled), "OffloadParamConfig.device",
                 "streams the fp32 master weights from the host, where only offload_optimizer keeps them",
                 "set OffloadOptimizerConfig.device = 'cpu' too")

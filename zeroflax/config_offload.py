@@ -10,15 +10,13 @@ import dataclasses
 
 from zeroflax.config_checks import configurable, is_int, require
 
-OFFLOAD_DEVICES = ("none", "cpu")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DELAYED_PREDICTIONS = ("linear", "extrapolate", "none")
 OFFLOAD_UPDATES = ("host", "device")
 
 
 def _check_offload_device(prefix: str, device, pin_memory) -> None:
     """The checks both offload blocks share: their `device` and `pin_memory` keys."""
-    require(device != "nvme", prefix + "device", "'nvme' (ZeRO-Infinity) is not supported: JAX has no NVMe "
-            "memory kind", "use 'cpu'")
     require(device in OFFLOAD_DEVICES, prefix + "device", f"unknown device {device!r}",
             f"use one of {', '.join(OFFLOAD_DEVICES)}")
     require(isinstance(pin_memory, bool), prefix + "pin_memory", f"must be True or False, got {pin_memory!r}")
@@ -31,7 +29,11 @@ class OffloadOptimizerConfig:
 
     device: 'none', or 'cpu': the fp32 master weights and the optimizer state live in host memory,
         partitioned over the data axis (12 bytes per parameter / N); the device keeps a compute-dtype
-        copy of the parameters (whole at stages 1-2, a shard at stage 3).
+        copy of the parameters (whole at stages 1-2, a shard at stage 3). 'nvme' (ZeRO-Infinity): they
+        live in a file under `nvme_path` instead, and each step streams them through `buffer_count`
+        host buffers of `buffer_size` elements (read a chunk, update it on the host, write it back, the
+        next one read ahead: `zeroflax/step/streamed_update.py`, docs/offload.md "NVMe"). The optimizer
+        must act on each element alone (Adam, AdamW, SGD, Lion: checked when the engine is built).
     pin_memory: page-locked host memory (memory kind 'pinned_host', which the device reads directly);
         False uses 'unpinned_host'.
     update: where the optimizer step runs: 'host' (jax's compute_on('device_host'): only gradients go
@@ -53,11 +55,27 @@ class OffloadOptimizerConfig:
         bytes per parameter more host->device per step and two more update evaluations on the host. 'extrapolate' and 'linear' are ours, not ZeRO-Offload's
         (docs/offload.md measures all three). The compute copy then cannot be remade from the master
         weights, so checkpoints store it.
+    nvme_path: with device 'nvme', the directory of the state's file (DeepSpeed's nvme_path); each
+        process of a run keeps its own shards in `<nvme_path>/process_<i>`.
+    buffer_count: with 'nvme', the host buffers the stream cycles through (>= 2; one is updated while
+        the others are read ahead or written behind). DeepSpeed's offload_optimizer.buffer_count.
+    buffer_size: with 'nvme', the parameter elements of one chunk: a buffer holds a chunk's master
+        weights and optimizer state (Adam: 12 bytes per element), so host memory holds about
+        buffer_count x buffer_size x 12 bytes. A chunk is rows of one device's shard of one leaf (at least
+        one row).
+    io_threads: with 'nvme', the threads that read and write the file (DeepSpeed's aio.thread_count).
+    direct_io: with 'nvme', open the file with O_DIRECT (DeepSpeed's aio does) so that nothing is held
+        in the page cache; where the filesystem refuses it (tmpfs), buffered I/O whose pages are dropped.
     """
 
     device: str = "none"
     pin_memory: bool = True
     update: str = "host"
+    nvme_path: str = ""
+    buffer_count: int = 4
+    buffer_size: int = 10_000_000
+    io_threads: int = 2
+    direct_io: bool = True
     delayed_update: bool = False
     delayed_update_start: int = 50
     delayed_update_prediction: str = "linear"
@@ -79,10 +97,31 @@ class OffloadOptimizerConfig:
                 f"{self.update!r}", "set update='host', or delayed_update False")
         require(not (self.device == "none" and (self.delayed_update or self.update != "host")), k + "device",
                 "is 'none', so update and delayed_update have nothing to act on", "set device='cpu'")
+        require(isinstance(self.nvme_path, str), k + "nvme_path", f"must be a path, got {self.nvme_path!r}")
+        for key, low in (("buffer_count", 2), ("buffer_size", 1), ("io_threads", 1)):
+            value = getattr(self, key)
+            require(is_int(value) and value >= low, k + key, f"must be an integer >= {low}, got {value!r}")
+        require(isinstance(self.direct_io, bool), k + "direct_io", f"must be True or False, got {self.direct_io!r}")
+        if self.device == "nvme":
+            require(bool(self.nvme_path), k + "nvme_path", "device is 'nvme', so the state needs a directory on a "
+                    "local disk", "set nvme_path, e.g. '/local_nvme/zeroflax'")
+            require(self.update == "host", k + "update", "with device 'nvme' the update runs on the host, chunk by "
+                    f"chunk, as it streams; got {self.update!r}", "set update='host'")
+            require(not self.delayed_update, k + "delayed_update", "the delayed update with device 'nvme' is not built",
+                    "set delayed_update False, or device='cpu'")
+        else:
+            require(not self.nvme_path, k + "nvme_path", f"is set, but device is {self.device!r}",
+                    "set device='nvme', or remove nvme_path")
 
     @property
     def enabled(self) -> bool:
-        return self.device == "cpu"
+        """The master weights and optimizer state are off the device (in host memory, or on disk)."""
+        return self.device in ("cpu", "nvme")
+
+    @property
+    def on_disk(self) -> bool:
+        """They live in a file (ZeRO-Infinity), streamed through host buffers."""
+        return self.device == "nvme"
 
     @property
     def predicts(self) -> bool:
@@ -107,6 +146,12 @@ class OffloadParamConfig:
 
     def __post_init__(self):
         _check_offload_device("OffloadParamConfig.", self.device, self.pin_memory)
+        # Streaming each layer's shard from a file into the compiled forward and backward passes would need a
+        # host callback per layer inside the step; not built (the master weights can be on disk through
+        # offload_optimizer 'nvme', with the device keeping its compute-dtype shard).
+        require(self.device != "nvme", "OffloadParamConfig.device", "'nvme' (parameters streamed from disk into "
+                "the forward pass) is not built", "use OffloadOptimizerConfig.device='nvme': the fp32 master weights "
+                "and optimizer state go to disk, the device keeps a compute-dtype shard (stage 3: 1/N)")
 
     @property
     def enabled(self) -> bool:
