@@ -146,6 +146,7 @@ class Engine:
         self._settle_remat(state, batch)
         phase = self.clock.phase(state)
         new_state, metrics = self.step_function(batch, phase)(state, batch)
+        new_state = self.update.finish(new_state, metrics)  # the NVMe update streams its file here
         self.clock.advance(new_state, phase)
         return new_state, metrics
 
@@ -156,13 +157,15 @@ class Engine:
         whose update it returns is discarded: evaluation uses the statistics, never changes them."""
         batch = self.put_batch(batch)
         if self._jit_eval is None:
-            def eval_loss(params, batch, model_state):
-                params = to_true(self.layers.to_model_in_step(self.update.readable(params)), self.abstract_params)
+            def eval_loss(state, batch, model_state):
+                params = to_true(self.layers.to_model_in_step(self.update.readable(state)), self.abstract_params)
                 dtype = self.config.compute_dtype
                 loss, _, _ = self.trace.call(floats_to(params, dtype), floats_to(batch, dtype), None, model_state)
                 return loss.astype(jnp.float32)
             self._jit_eval = jax.jit(eval_loss, out_shardings=self.plan.replicated)
-        return self._jit_eval(state.params, batch, state.model_state)
+        # Only what the update reads of the state (under offload the optimizer state stays where it is).
+        view = state.replace(opt_state=None, pending_grads=None, sync_state=None)
+        return self._jit_eval(view, batch, state.model_state)
 
     # ---------------------------------------------------------------- what the loss does (probe)
     @property
@@ -221,13 +224,19 @@ class Engine:
     def model_params(self, state: TrainState):
         """`state.params` as the model declares them: stacked layers in model order (layer i of the stack is
         the model's layer i), true shapes (a leaf stored padded comes back whole over `data`)."""
-        params = self.layers.convert("params", state.params, True, self.plan.params)
+        params = self.layers.convert("params", self.update.master(state), True, self.plan.params)
         if all(np.shape(x) == a.shape for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(self.abstract_params))):
             return params  # nothing stored padded (stages 1-2 pad only the optimizer state)
         if self._jit_true_params is None:
             self._jit_true_params = jax.jit(lambda p: to_true(p, self.abstract_params),
                                             out_shardings=self.plan.true_params_shardings())
         return self._jit_true_params(params)
+
+    @property
+    def state_files(self):
+        """The files that hold the master weights and optimizer state with NVMe offload (`disk/store.py`:
+        what a checkpoint snapshots, `Checkpointer.save(files=...)`); None when they are arrays of the state."""
+        return self.update.store
 
     def with_compute_copy(self, state: TrainState) -> TrainState:
         """`state` with the update's derived fields (offload's compute copy) remade from its master
@@ -377,11 +386,12 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
             params, unbox(state_tree)[0] if collections else None)
     # The optimizer starts from the true shapes (a factored statistic's shape is the true one's).
     opt_init = lambda p: fit(optimizer.init(to_true(p, plan.abstract_params)), plan.abstract_opt_state, plan.opt_state)
-    opt_state = jax.jit(opt_init, out_shardings=plan.opt_state)(init_params)
+    init_params, opt_state = engine.update.initial(init_params, opt_init)
     sync_state = jax.jit(engine.sync.init_state, out_shardings=engine.state_shardings.sync_state)()
     state = TrainState(step=jnp.asarray(0, jnp.int32), params=init_params, opt_state=opt_state,
                        loss_scale=engine.scaler.init(), rng=step_rng, model_state=init_state, sync_state=sync_state,
                        **engine.update.init_fields(abstract_params))
+    del init_params, opt_state  # held by the state alone: the NVMe update's `refreshed` lets them go
     state = engine.update.refreshed(state)
     state = engine.storage_order(jax.device_put(state, engine.state_shardings))
     return engine, state

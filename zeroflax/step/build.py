@@ -28,6 +28,7 @@ from zeroflax.step.phases import PhaseClock
 from zeroflax.step.pipelined import Pipelined
 from zeroflax.step.zero_one_sync import ZeroOneSync
 from zeroflax.step.scaler import LossScaler
+from zeroflax.step.streamed_update import StreamedUpdate, check_elementwise
 from zeroflax.step.state import TrainState
 from zeroflax.step.zero_sync import ZeroGradSync
 
@@ -79,9 +80,18 @@ def build_parts(config: Config, plan: ShardingPlan, optimizer: optax.GradientTra
                         grad_clip=config.grad_clip)
     sync = _onebit_sync(config, plan, optimizer, abstract_params, zero) or zero
     skips = skips_nonfinite(config)
-    update = (OffloadedUpdate(plan, config, source.manual_axes, optimizer, skips) if plan.offload else
-              DeviceUpdate(plan, optimizer, config.grad_clip, skips))
+    update = _update(config, plan, source, optimizer, abstract_params, skips)
     return Parts(source, sync, update, LossScaler(config.loss_scale, config.precision == "fp16"))
+
+
+def _update(config: Config, plan: ShardingPlan, source, optimizer, abstract_params, skips: bool) -> Update:
+    if config.offload_optimizer.on_disk:
+        abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+        check_elementwise(optimizer, abstract_params, abstract_opt, config.grad_clip)
+        return StreamedUpdate(plan, config, source.manual_axes, optimizer, skips)
+    if plan.offload:
+        return OffloadedUpdate(plan, config, source.manual_axes, optimizer, skips)
+    return DeviceUpdate(plan, optimizer, config.grad_clip, skips)
 
 
 def _source(config: Config, plan: ShardingPlan, has_model_state: bool) -> GradSource:
@@ -152,11 +162,12 @@ def state_shardings(parts: Parts, plan: ShardingPlan, abstract_model_state) -> T
     """Where each field of the TrainState lives: the plan's for parameters and optimizer state, each
     part's for its own fields."""
     replicated = plan.replicated
-    return TrainState(
+    fields = dict(
         step=replicated, params=plan.params, opt_state=plan.opt_state,
         loss_scale=jax.tree.map(lambda _: replicated, parts.scaler.init()),
         rng=replicated, model_state=jax.tree.map(lambda _: replicated, abstract_model_state),
-        sync_state=parts.sync.shardings(plan.mesh), **parts.update.field_shardings())
+        sync_state=parts.sync.shardings(plan.mesh))
+    return TrainState(**{**fields, **parts.update.field_shardings()})  # the update may keep params elsewhere
 
 
 def abstract_state(parts: Parts, config: Config, optimizer, abstract_params, abstract_model_state,
@@ -164,12 +175,13 @@ def abstract_state(parts: Parts, config: Config, optimizer, abstract_params, abs
     """The initial TrainState as ShapeDtypeStructs with their shardings, in their stored shapes (padded where
     a partitioned dimension is not a multiple of its shards: `sharding.padding`), or (`stored` False) their
     true shapes, without shardings."""
-    state = TrainState(
+    fields = dict(
         step=jax.ShapeDtypeStruct((), jax.numpy.int32), params=abstract_params,
         opt_state=jax.eval_shape(optimizer.init, abstract_params),
         loss_scale=jax.eval_shape(parts.scaler.init),
         rng=jax.eval_shape(lambda: jax.random.split(jax.random.PRNGKey(config.seed))[1]),
         model_state=abstract_model_state,
-        sync_state=jax.eval_shape(parts.sync.init_state), **parts.update.abstract_fields(abstract_params))
+        sync_state=jax.eval_shape(parts.sync.init_state))
+    state = TrainState(**{**fields, **parts.update.abstract_fields(abstract_params)})
     return stored_abstract(state, shardings) if stored else state
 

@@ -26,6 +26,7 @@ class DeviceUpdate:
     grad_clip: float
     skips_nonfinite: bool
     phases: tuple = (STEADY,)
+    store = None  # the files of a state kept on disk (step/streamed_update.py); none here
 
     def field_shardings(self) -> dict:
         return {}
@@ -39,13 +40,22 @@ class DeviceUpdate:
     def loss_params(self, state):
         return state.params
 
-    def readable(self, params):
-        return params
+    def readable(self, state):
+        return state.params
+
+    def master(self, state):
+        return state.params
+
+    def initial(self, params, opt_init):
+        return params, jax.jit(opt_init, out_shardings=self.plan.opt_state)(params)
 
     def refreshed(self, state):
         return state
 
     restored = stored = refreshed
+
+    def finish(self, state, metrics):
+        return state
 
     def __call__(self, state, synced: Synced, phase: str) -> Updated:
         plan = self.plan

@@ -80,6 +80,7 @@ class OffloadedUpdate:
     manual_axes: frozenset  # the engine's manual mesh axes (data, and pipe with a pipeline)
     optimizer: optax.GradientTransformation
     skips_nonfinite: bool  # fp16, or Config.nonfinite 'skip': a step with a non-finite gradient is skipped
+    store = None  # the files of a state kept on disk (step/streamed_update.py); in host memory here
 
     # ------------------------------------------------------------------ phases (the delayed update)
     @property
@@ -177,9 +178,21 @@ class OffloadedUpdate:
         """A restored (or fresh) state, with its compute copy remade if it has none."""
         return self.refreshed(state) if state.compute_params is None else state
 
-    def readable(self, params):
+    def readable(self, state):
         """The master weights where the device computes with them (evaluation)."""
-        return jax.device_put(params, on_device(self.plan.params))
+        return jax.device_put(state.params, on_device(self.plan.params))
+
+    def master(self, state):
+        """The master weights (`Engine.model_params`)."""
+        return state.params
+
+    def initial(self, params, opt_init):
+        """(master weights, optimizer state) of a fresh state, from the initial master weights."""
+        return params, jax.jit(opt_init, out_shardings=self.plan.opt_state)(params)
+
+    def finish(self, state, metrics):
+        """Nothing is left to do after the compiled step."""
+        return state
 
     def stored(self, state):
         """The compute copy is dropped from what a checkpoint holds (it is remade from the master

@@ -10,7 +10,9 @@ One step (`Engine._train_step`) is, top to bottom:
                `step/onebit_sync.py`); in the global view `synced` hands the update a `Synced`;
   LossScaler   unscales the gradients and follows the overflows (`step/scaler.py`);
   Update       the optimizer on the synchronised gradients, returning `Updated` (on the device,
-               `step/device_update.py`; offloaded, possibly delayed, `step/offloaded_update.py`).
+               `step/device_update.py`; offloaded, possibly delayed, `step/offloaded_update.py`); with the
+               state on disk, its `finish` streams the update after the compiled step
+               (`step/streamed_update.py`).
 
 Each part owns its state fields in `TrainState` (see `step/state.py`) and its phases (`step/phases.py`).
 A new scheme is a new object satisfying one protocol, chosen in `step/build.py`: the engine does not
@@ -96,6 +98,7 @@ class GradSync(Protocol):
 
 class Update(Protocol):
     phases: tuple[str, ...]
+    store: Any  # the files holding the master weights and optimizer state (NVMe offload), or None
     skips_nonfinite: bool  # a step with a non-finite gradient is skipped in the step (fp16, nonfinite 'skip')
 
     def field_shardings(self) -> dict:
@@ -107,8 +110,15 @@ class Update(Protocol):
     def loss_params(self, state):
         """What the loss differentiates (the master weights, or offload's compute copy)."""
 
-    def readable(self, params):
-        """The master weights where the device can compute with them (evaluation)."""
+    def readable(self, state):
+        """The parameters where the device can compute with them, in the step (evaluation)."""
+
+    def master(self, state):
+        """The master weights, stored (`Engine.model_params`; read from the file under NVMe offload)."""
+
+    def initial(self, params, opt_init):
+        """(master weights, optimizer state) of a fresh TrainState from the initial master weights `params`
+        (stored, placed); `opt_init` makes the optimizer state of stored master weights."""
 
     def refreshed(self, state):
         """`state` with the update's derived fields remade from its master weights."""
@@ -120,3 +130,7 @@ class Update(Protocol):
         """`state` as a checkpoint holds it (derived fields that can be remade dropped)."""
 
     def __call__(self, state, synced: Synced, phase: str) -> Updated: ...
+
+    def finish(self, state, metrics):
+        """After the compiled step, on the host: the state the step really ends with (the NVMe update streams
+        the state through its file here; the others return `state`)."""
