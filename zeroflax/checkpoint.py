@@ -11,6 +11,13 @@ checkpoint as the newest complete one):
     sync     1-bit Adam only: its error buffers and last exchanged momentum, with their layout (JSON,
              `sync_layout`); restored where the layout matches (same device count), else reset (`notes`)
 
+With the state on disk (NVMe offload) the master weights and optimizer state are not orbax items: the
+state's files are copied, before the orbax save starts and between two steps, into `nvme_<step>/` beside
+the step's directory (`disk/store.py: StateStore.snapshot`: a temporary directory renamed when complete).
+A checkpoint is complete when orbax's step directory is, and that directory is only begun after its
+snapshot was renamed into place, so a kill at any moment leaves every complete checkpoint with its files;
+a restore copies them back (docs/offload.md, "NVMe: what a crash leaves").
+
 Arrays are stored as global arrays, not per-device shards, so a restore only needs the abstract
 target with the *new* shardings (another ZeRO stage, another device count, or one CPU device):
 no conversion step.
@@ -20,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 from typing import Any
 
 import jax
@@ -73,12 +81,21 @@ def complete_steps(directory: str) -> list[int]:
 def _train_item(state) -> dict:
     """The 'train' item of a TrainState (of arrays, or of their shardings): all but the parameters.
     Model state (e.g. BatchNorm statistics) is part of it when the model has any."""
-    item = {"opt_state": state.opt_state, "loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
+    item = {"loss_scale": state.loss_scale, "step": state.step, "rng": state.rng}
+    if state.opt_state is not None:  # None: on disk, in the checkpoint's file snapshot
+        item["opt_state"] = state.opt_state
     if state.model_state is not None:
         item["model_state"] = state.model_state
     if state.pending_grads is not None:  # offload's delayed update: the gradient the next step applies
         item["pending_grads"] = state.pending_grads
     return item
+
+
+def _train_item_like(shardings, state) -> dict:
+    """The 'train' item of a TrainState of shardings, with the entries `state`'s has (a stored state drops
+    what is remade after a restore)."""
+    item = _train_item(shardings)
+    return {key: item[key] for key in _train_item(state)}
 
 
 def sync_layout(sync_state) -> list:
@@ -94,13 +111,22 @@ def _by_path(tree) -> dict:
     return {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _params_item(state) -> dict:
+    return {} if state.params is None else {"params": state.params}
+
+
+def snapshot_dir(directory: str, step: int) -> str:
+    """Where the checkpoint of `step` keeps its copy of the NVMe offload's files."""
+    return os.path.join(directory, f"nvme_{step}")
+
+
 def true_shapes(state) -> dict:
     """The 'shapes' item: path -> true shape of every array of the parameters and the 'train' item.
 
     The arrays themselves are stored as the engine holds them: a leaf that the data size does not divide
     is padded with zeros (sharding.padding). Restoring cuts or pads each to the restoring engine's stored
     shape (orbax's non-strict restore), after checking that the true shapes are the engine's."""
-    return {path: list(np.shape(x)) for path, x in _by_path({"params": state.params, "train": _train_item(state)}).items()}
+    return {path: list(np.shape(x)) for path, x in _by_path({**_params_item(state), "train": _train_item(state)}).items()}
 
 
 def _check_shapes(saved: dict, expected: dict, step: int, directory: str) -> None:
@@ -137,18 +163,23 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state, data_state: dict, meta: dict, *, force: bool = False, view=None,
-             shapes: dict | None = None) -> bool:
+             shapes: dict | None = None, files=None) -> bool:
         """Start saving (asynchronously); returns whether a checkpoint is being written at this step.
         `view` (e.g. `Engine.model_order`) turns the state into what is stored, only when a save happens;
         `shapes` (`true_shapes` of the engine's true abstract state) is written with it when the arrays are
-        stored padded."""
+        stored padded; `files` (`Engine.state_files`: the NVMe offload's store, or None) is snapshotted
+        first, synchronously (the next step rewrites it)."""
         if not force and not self.manager.should_save(step):
             return False
         self.wait()  # the previous save's failure is reported as that step's
+        if files is not None:
+            self._writing(step, lambda: files.snapshot(snapshot_dir(self.directory, step)))
         if view is not None:
             state = view(state)
-        items = dict(params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(_train_item(state)),
+        items = dict(train=ocp.args.StandardSave(_train_item(state)),
                      data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+        if state.params is not None:
+            items.update(params=ocp.args.StandardSave(state.params))
         if shapes is not None:
             items.update(shapes=ocp.args.JsonSave(shapes))
         if state.compute_params is not None:  # offload's predicted compute copy (Engine.model_order keeps only that)
@@ -159,15 +190,25 @@ class Checkpointer:
         started = self._writing(step, lambda: self.manager.save(step, args=ocp.args.Composite(**items), force=force))
         if started:
             self.in_flight = step
+        if files is not None:
+            self._prune_snapshots(keep={step})
         return started
 
-    def restore(self, step: int | None, state, shardings, *, compute_copy: bool = False, true_state=None):
+    def _prune_snapshots(self, keep: set) -> None:
+        """Remove the file snapshots whose checkpoint orbax has removed (keep-N), or never completed."""
+        live = set(self.manager.all_steps()) | keep
+        for name in os.listdir(self.directory):
+            if name.startswith("nvme_") and name[5:].isdigit() and int(name[5:]) not in live:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def restore(self, step: int | None, state, shardings, *, compute_copy: bool = False, true_state=None, files=None):
         """(state, data_state, meta) at `step` (default: the newest complete one), placed with `shardings`
         (a TrainState of shardings); `state` supplies the structure, stored shapes and dtypes, `true_state`
         (the engine's `abstract_state(stored=False)`) the true shapes, which must be the checkpoint's (each
         array is cut or zero-padded from the checkpoint's padding to this engine's). The offload compute
         copy is None (`Engine.storage_order` remakes it from the master weights) unless `compute_copy`
-        asks for the stored one (the delayed update's prediction) and the checkpoint has it."""
+        asks for the stored one (the delayed update's prediction) and the checkpoint has it. `files` (the
+        NVMe offload's store) gets the checkpoint's snapshot of its files back."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
@@ -176,8 +217,8 @@ class Checkpointer:
         if true_state is not None:
             _check_shapes(saved, true_shapes(true_state), step, self.directory)
         else:  # without the true shapes, each array must at least pad to this engine's stored shape
-            targets = _by_path({"params": state.params, "train": _train_item(state)})
-            placed = _by_path({"params": shardings.params, "train": _train_item(shardings)})
+            targets = _by_path({**_params_item(state), "train": _train_item(state)})
+            placed = _by_path({**_params_item(shardings), "train": _train_item_like(shardings, state)})
             _check_shapes({path: list(stored_shape(shape, placed[path])) for path, shape in saved.items() if path in placed},
                           {path: list(np.shape(x)) for path, x in targets.items()}, step, self.directory)
         sync = None
@@ -185,11 +226,23 @@ class Checkpointer:
             sync = self._restore_sync(step, state.sync_state, shardings.sync_state)
         # Not strict: a leaf written with another padding is cut or zero-padded to this engine's (the true
         # shapes were checked above when the caller gave them).
-        args = ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract_with_shardings(state.params, shardings.params), strict=False),
-            train=ocp.args.StandardRestore(_abstract_with_shardings(_train_item(state), _train_item(shardings)),
+        items = dict(
+            train=ocp.args.StandardRestore(_abstract_with_shardings(_train_item(state), _train_item_like(shardings, state)),
                                            strict=False),
             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        if state.params is not None:
+            items.update(params=ocp.args.StandardRestore(_abstract_with_shardings(state.params, shardings.params),
+                                                         strict=False))
+        if files is not None:
+            source = snapshot_dir(self.directory, step)
+            if not os.path.isdir(source):
+                raise CheckpointError(f"the checkpoint of step {step} in {self.directory} has no copy of the NVMe "
+                                      f"offload's files ({source}): it was written without OffloadOptimizerConfig"
+                                      ".device='nvme'")
+            held = files.restore(source)
+            if held != step:
+                raise CheckpointError(f"{source} holds the files of step {held}, not {step}")
+        args = ocp.args.Composite(**items)
         try:
             restored = self.manager.restore(step, args=args)
         except Exception as error:  # orbax raises many types for a damaged directory
@@ -197,7 +250,7 @@ class Checkpointer:
                                   f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
         t = restored["train"]
         compute = self._restore_compute_copy(step, state.compute_params, shardings.compute_params) if compute_copy else None
-        new_state = state.replace(params=restored["params"], opt_state=t["opt_state"], loss_scale=t["loss_scale"],
+        new_state = state.replace(params=restored["params"] if state.params is not None else None, opt_state=t.get("opt_state"), loss_scale=t["loss_scale"],
                                   step=t["step"], rng=t["rng"], model_state=t.get("model_state"),
                                   pending_grads=t.get("pending_grads"), compute_params=compute,
                                   sync_state=state.sync_state if sync is None else sync)
@@ -273,7 +326,9 @@ def _saved_shapes(manager, step: int) -> dict:
         pass
     try:
         metadata = manager.item_metadata(step)
-        tree = {"params": metadata["params"], "train": metadata["train"]}
+        tree = {"train": metadata["train"]}
+        if metadata.get("params") is not None:  # absent with NVMe offload (the files hold the master weights)
+            tree["params"] = metadata["params"]
     except Exception as error:  # orbax raises many types for a damaged directory
         raise CheckpointError(f"corrupt or incompatible checkpoint: cannot read the array shapes of step {step} "
                               f"({type(error).__name__})") from error

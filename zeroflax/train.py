@@ -317,8 +317,8 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
     shapes = true_shapes(engine.abstract_state(stored=False))
     if resume and latest is not None:
         state, data_state, old_meta = checkpoints.restore(
-            latest, state, engine.state_shardings, compute_copy=config.offload_optimizer.predicts,
-            true_state=engine.abstract_state(stored=False))
+            latest, engine.model_order(state), engine.state_shardings, compute_copy=config.offload_optimizer.predicts,
+            true_state=engine.abstract_state(stored=False), files=engine.state_files)
         if int(state.step) != latest:
             raise CheckpointError(f"checkpoint {checkpoints.directory}/{latest} holds step {int(state.step)}: its "
                                   "directory was renamed or its contents replaced; resume from an intact checkpoint")
@@ -390,7 +390,8 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
             if config.nonfinite == "error" and (logging_now or saving_now) and int(first_bad):
                 problem = (f"step {int(first_bad)}: the gradients are not finite (NaN or inf), and training stopped "
                            "(Config.nonfinite = 'error')")
-            elif saving_now and not bool(finite_params(state.params)):
+            # (With the master weights in a file, NVMe offload, their compute copy is what is at hand.)
+            elif saving_now and not bool(finite_params(state.params if state.params is not None else state.compute_params)):
                 problem = f"step {done}: the updated parameters are not finite (NaN or inf), so they are not saved"
             if problem:
                 bar.close()
@@ -424,7 +425,7 @@ def _train_in(tc, config, model_config, *, resume, overwrite, stop_at, progress,
             metrics_log.write(done, val_bits_per_byte=bpb)
             bar.write(f"step {done}: validation {bpb:.3f} bits per byte")
         checkpoints.save(done, state, loader.state(), meta, force=done == end, view=engine.model_order,
-                         shapes=shapes)
+                         shapes=shapes, files=engine.state_files)
         bar.update(1)
     bar.close()
     checkpoints.close()
