@@ -26,6 +26,9 @@ gradient shards, C those of the compute copy, S those of the streamed (offload_p
 optimizer state's bytes:
     update on the host:    device->host b_g G; host->device b_c C (+ M x 2 x b_master S, offload_param)
     update on the device:  host->device and device->host (b_master + K/elements) x master elements
+With the state on disk (NVMe offload) nothing moves between memory kinds inside the program; the report
+gives the state file's bytes instead, per process and step: read and written, each the records' aligned
+extents (`StreamedUpdate.disk_traffic_theory`), beside the bytes the file layer counted in the last step.
 """
 from __future__ import annotations
 
@@ -152,6 +155,12 @@ class CommReport:
     device_to_host: float = 0.0
     host_to_device_theory: float = 0.0
     device_to_host_theory: float = 0.0
+    # NVMe offload: bytes of this process's state file per step, read and written (measured in the engine's
+    # last step, -1 before it has run one), and their theory (every chunk's record once each way).
+    disk_read: float = 0.0
+    disk_written: float = 0.0
+    disk_read_theory: float = 0.0
+    disk_written_theory: float = 0.0
     phase: str = STEADY  # which of the engine's step programs (1-bit Adam: 'warmup', 'first', 'compressed')
     # Padding zeros the ZeRO collectives move with the stored leaves (elements, of Psi on this device's
     # pipe/tensor part), and the bytes of the theory that are theirs.
@@ -194,6 +203,12 @@ class CommReport:
             if value or theory:
                 beside = f"   theory {theory / 2**20:.2f}, ratio {value / theory:.3f}" if theory else ""
                 lines.append(f"  {name + ' (program)':<28}{value / 2**20:>12.2f}{beside}")
+        for name, value, theory in (("disk read", self.disk_read, self.disk_read_theory),
+                                    ("disk written", self.disk_written, self.disk_written_theory)):
+            if theory:
+                measured = f"{value / 2**20:>12.2f}" if value >= 0 else f"{'(no step)':>12}"
+                ratio = f", ratio {value / theory:.3f}" if value >= 0 else ""
+                lines.append(f"  {name + ' (process)':<28}{measured}   theory {theory / 2**20:.2f}{ratio}")
         if self.unknown_trip_count:
             lines.append("  warning: a loop without a known trip count was counted once")
         return "\n".join(lines)
@@ -404,6 +419,11 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
             engine.abstract_params, engine.clock.of(engine.update, phase))
         transfers = dict(host_to_device=to_device, device_to_host=to_host, host_to_device_theory=to_device_theory,
                        device_to_host_theory=to_host_theory)
+    if engine.state_files is not None:  # NVMe: the file's bytes (the last step's, beside the theory)
+        read_theory, written_theory = engine.update.disk_traffic_theory()
+        read, written = engine.update.disk_traffic() or (-1, -1)
+        transfers.update(disk_read=read, disk_written=written, disk_read_theory=read_theory,
+                         disk_written_theory=written_theory)
     return CommReport(
         stage=stage, data_size=engine.zero_size, num_params=num_params,
         compute_bytes=compute, grad_bytes=grad, by_kind=by_kind, by_dtype=by_dtype, total_bytes=total,

@@ -79,6 +79,12 @@ class MemoryReport:
     theory_device: float = 0.0  # offload: model states the device should hold at rest
     theory_host: float = 0.0  # offload: model states the host should hold (per device)
     xla_host: dict = dataclasses.field(default_factory=dict)  # memory_analysis' host_* fields (0 on CPU)
+    # NVMe offload: the state's file per device (this process's file over its devices), its theory (the
+    # host column's master weights and optimizer state, on disk instead), and the stream's host buffers
+    # per process (the only host memory the update holds).
+    disk: float = 0.0
+    theory_disk: float = 0.0
+    host_buffers: int = 0
     # 1-bit Adam: its sync state (error buffers, the last exchanged momentum's bits) and that state's theory.
     sync_state: int = 0
     sync_theory: float = 0.0
@@ -94,7 +100,7 @@ class MemoryReport:
     def at_rest(self) -> int:
         """Model states at rest: parameters (and their compute copy) and optimizer state held for one
         device, in its memory and, under offload, in host memory."""
-        return self.params + self.opt_state + self.compute_params
+        return self.params + self.opt_state + self.compute_params + self.disk
 
     @property
     def host_at_rest(self) -> int:
@@ -102,7 +108,7 @@ class MemoryReport:
 
     @property
     def device_at_rest(self) -> int:
-        return self.at_rest - self.host_at_rest
+        return self.at_rest - self.host_at_rest - self.disk
 
     @property
     def ratio(self) -> float:
@@ -140,7 +146,7 @@ class MemoryReport:
         lines += [f"  {name:<28}{mib(value)}" for name, value in rows]
         lines.append(f"  {'model states at rest':<28}{mib(self.at_rest)}   theory {self.theory_at_rest / 2**20:.2f} MiB,"
                      f" ratio {self.ratio:.3f}")
-        if self.theory_host:
+        if self.theory_host and not self.theory_disk:
             lines += [
                 "  offload, from the state's memory kinds:",
                 f"  {'  compute copy (device)':<28}{mib(self.compute_params)}",
@@ -151,6 +157,13 @@ class MemoryReport:
                 f"  {'  host at rest':<28}{mib(self.host_at_rest)}   theory {self.theory_host / 2**20:.2f} MiB",
                 "  XLA's host figures (memory_analysis; 0 on the CPU backend): "
                 + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.xla_host.items())]
+        if self.theory_disk:
+            lines += [
+                "  NVMe offload (OffloadOptimizerConfig.device 'nvme'):",
+                f"  {'  compute copy (device)':<28}{mib(self.compute_params)}   theory {self.theory_device / 2**20:.2f} MiB",
+                f"  {'  state on disk':<28}{mib(self.disk)}   theory {self.theory_disk / 2**20:.2f} MiB "
+                "(master weights and optimizer state: the file, per device)",
+                f"  {'  host buffers (process)':<28}{mib(self.host_buffers)}   (buffer_count x the largest chunk's record)"]
         if self.sync_theory:
             lines.append(f"  {'1-bit buffers':<28}{mib(self.sync_state)}   theory {self.sync_theory / 2**20:.2f} MiB "
                          "(worker error 4 N C + server error 4 C + sign bits per buffer: a leaf, or 1-bit LAMB's one)")
@@ -256,12 +269,15 @@ def leaf_states(engine) -> tuple[list, list]:
     states that belong to no leaf (the optimizer's counts), likewise)."""
     true = engine.abstract_state(stored=False)
     shardings = engine.state_shardings
-    params = jax.tree.leaves(true.params)
-    per_leaf = [[("params", x, s)] for x, s in zip(params, jax.tree.leaves(shardings.params))]
-    index = jax.tree.unflatten(jax.tree.structure(true.params), list(range(len(params))))
-    owners = jax.tree.leaves(optax.tree_map_params(engine.optimizer, lambda leaf, i: i, true.opt_state, index,
+    plan = engine.plan
+    # With the state on disk (NVMe) the TrainState has no params or opt_state: the plan still says how they are cut.
+    true_params, true_opt = plan.abstract_params, plan.abstract_opt_state
+    params = jax.tree.leaves(true_params)
+    per_leaf = [[("params", x, s)] for x, s in zip(params, jax.tree.leaves(plan.params))]
+    index = jax.tree.unflatten(jax.tree.structure(true_params), list(range(len(params))))
+    owners = jax.tree.leaves(optax.tree_map_params(engine.optimizer, lambda leaf, i: i, true_opt, index,
                                                    transform_non_params=lambda leaf: -1))
-    opt = list(zip(jax.tree.leaves(true.opt_state), jax.tree.leaves(shardings.opt_state)))
+    opt = list(zip(jax.tree.leaves(true_opt), jax.tree.leaves(plan.opt_state)))
     others = []
     if len(owners) != len(opt):  # an optimizer whose state tree_map_params cannot follow: none owned
         owners = [-1] * len(opt)
@@ -365,6 +381,10 @@ def memory_report(engine, state, batch) -> MemoryReport:
     if plan.offload:
         theory_device, theory_host = engine.update.at_rest_theory(engine.abstract_params)
         offload = dict(theory_device=theory_device, theory_host=theory_host)
+    if engine.state_files is not None:  # NVMe: the host column's states are in the file
+        local = max(len(engine.mesh.local_devices), 1)
+        offload.update(theory_host=0.0, theory_disk=offload["theory_host"], disk=engine.update.disk_at_rest() / local,
+                       host_buffers=engine.update.host_buffer_bytes())
     xla_host = {name: getattr(stats, f"host_{name}_size_in_bytes", 0) for name in ("argument", "output", "temp")}
     sync = {}
     if engine.sync.state_bytes():
@@ -373,7 +393,7 @@ def memory_report(engine, state, batch) -> MemoryReport:
     theory = theory_at_rest(engine.config.zero_stage, num_params, engine.zero_size, full_params / num_params,
                             full_opt / num_params, pipe * tensor, (pad_params, pad_opt))
     if offload:
-        theory = offload["theory_device"] + offload["theory_host"]
+        theory = offload["theory_device"] + offload["theory_host"] + offload.get("theory_disk", 0.0)
     return MemoryReport(
         stage=engine.config.zero_stage, data_size=engine.zero_size, num_params=num_params,
         params=params, opt_state=opt, grad_buffer=grads, other_state=other, batch=batch_bytes,
