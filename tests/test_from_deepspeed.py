@@ -322,8 +322,8 @@ BAD = [  # (JSON path of the error, config, keywords)
     ("scheduler.type", {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {
         "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}}, {}),
     ("scheduler.type", {"train_batch_size": 8, "scheduler": {"type": "StepLR", "params": {}}}, {}),
-    ("zero_optimization.offload_optimizer.device", {"train_batch_size": 8, "zero_optimization": {
-        "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}, {}),
+    ("zero_optimization.offload_optimizer.nvme_path", {"train_batch_size": 8, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "nvme"}}}, {}),
     ("zero_optimization.offload_param.device", {"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}, {}),
     ("optimizer.params.max_grad_norm", {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {

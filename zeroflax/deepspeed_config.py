@@ -129,6 +129,10 @@ CONFIG_KEYS = {  # zeroflax names (in Config errors) -> JSON paths, to re-key Co
     "Config.quantized_weights": "zero_optimization.zero_quantized_weights", "Config.remat": "activation_checkpointing",
     "OffloadOptimizerConfig.device": "zero_optimization.offload_optimizer.device",
     "OffloadOptimizerConfig.pin_memory": "zero_optimization.offload_optimizer.pin_memory",
+    "OffloadOptimizerConfig.nvme_path": "zero_optimization.offload_optimizer.nvme_path",
+    "OffloadOptimizerConfig.buffer_count": "zero_optimization.offload_optimizer.buffer_count",
+    "OffloadOptimizerConfig.buffer_size": "zero_optimization.sub_group_size",
+    "OffloadOptimizerConfig.io_threads": "aio.thread_count",
     "OffloadParamConfig.device": "zero_optimization.offload_param.device",
     "OffloadParamConfig.pin_memory": "zero_optimization.offload_param.pin_memory",
     "MeshConfig.axes": "tensor_parallel.autotp_size",
@@ -144,7 +148,7 @@ def _build_config(values: dict, base: Config, axes: dict) -> Config:
     fields = group("Config")
     loss_scale = dataclasses.replace(base.loss_scale, **group("LossScaleConfig"))
     opt = group("OffloadOptimizerConfig")
-    offload_optimizer = (dataclasses.replace(base.offload_optimizer, **opt) if opt.get("device") == "cpu"
+    offload_optimizer = (dataclasses.replace(base.offload_optimizer, **opt) if opt.get("device") in ("cpu", "nvme")
                          else OffloadOptimizerConfig(**opt))
     offload_param = OffloadParamConfig(**group("OffloadParamConfig"))
     return dataclasses.replace(base, mesh=MeshConfig(axes), loss_scale=loss_scale, offload_optimizer=offload_optimizer,

@@ -25,6 +25,8 @@ from zeroflax.config import ConfigError
 DISABLED = "a block with enabled: false"  # accepted value of a refused block: it is switched off
 
 _BATCH = "see 'Batch sizes' below"
+_NO_PARAM_STREAM = "parameters are not streamed from NVMe (offload_param 'nvme' is read as 'none' beside offload_optimizer 'nvme')"
+_LIBAIO = "libaio tuning: zeroflax's I/O threads use pread/pwrite with O_DIRECT (aio.thread_count sets how many)"
 MAPPED: dict[str, str] = {
     "train_batch_size": "Config.train_batch_size (" + _BATCH + ")",
     "train_micro_batch_size_per_gpu": "Config.micro_batch_size (" + _BATCH + ")",
@@ -54,10 +56,17 @@ MAPPED: dict[str, str] = {
     "zero_optimization.max_reuse_distance": "Config.max_reuse_distance (field name of the key above)",
     "zero_optimization.zero_quantized_weights": "Config.quantized_weights (ZeRO++ qwZ, int8 blocks)",
     "zero_optimization.offload_optimizer": "block: Config.offload_optimizer",
-    "zero_optimization.offload_optimizer.device": "OffloadOptimizerConfig.device ('none', 'cpu'; 'nvme' refused)",
+    "zero_optimization.offload_optimizer.device": "OffloadOptimizerConfig.device ('none', 'cpu', 'nvme')",
+    "zero_optimization.offload_optimizer.nvme_path": "OffloadOptimizerConfig.nvme_path (device 'nvme')",
+    "zero_optimization.offload_optimizer.buffer_count": "OffloadOptimizerConfig.buffer_count (device 'nvme')",
+    "zero_optimization.sub_group_size": "OffloadOptimizerConfig.buffer_size with offload_optimizer 'nvme' (elements "
+                                        "per streamed chunk); else moot: the offloaded update is one XLA program",
+    "aio": "block: NVMe I/O (with offload_optimizer 'nvme')",
+    "aio.thread_count": "OffloadOptimizerConfig.io_threads",
     "zero_optimization.offload_optimizer.pin_memory": "OffloadOptimizerConfig.pin_memory",
     "zero_optimization.offload_param": "block: Config.offload_param",
-    "zero_optimization.offload_param.device": "OffloadParamConfig.device ('none', 'cpu'; 'nvme' refused)",
+    "zero_optimization.offload_param.device": "OffloadParamConfig.device ('none', 'cpu'; 'nvme' is read as 'none' "
+                                              "beside offload_optimizer 'nvme', else refused)",
     "zero_optimization.offload_param.pin_memory": "OffloadParamConfig.pin_memory",
     "zero_optimization.cpu_offload": "deprecated: true = offload_optimizer.device 'cpu'",
     "zero_optimization.cpu_offload_param": "deprecated: true = offload_param.device 'cpu'",
@@ -109,7 +118,6 @@ MOOT: dict[str, str] = {
     "checkpoint": "orbax checkpoints; they restore at any stage or device count",
     "nebula": "orbax checkpoints (asynchronous with TrainConfig.async_checkpointing)",
     "datastates_ckpt": "orbax checkpoints (asynchronous with TrainConfig.async_checkpointing)",
-    "aio": "no NVMe offload",
     "dataloader_drop_last": "zeroflax's TokenLoader always yields full batches",
     "log_level": "zeroflax prints a few lines; JAX's logging is configured by JAX",
     "timers": "no throughput timers: zeroflax train prints tokens/s",
@@ -133,7 +141,6 @@ MOOT: dict[str, str] = {
     "zero_optimization.overlap_comm": _XLA_COMM,
     "zero_optimization.load_from_fp32_weights": "checkpoints hold the fp32 master weights",
     "zero_optimization.elastic_checkpoint": "checkpoints restore at any stage or device count",
-    "zero_optimization.sub_group_size": "the offloaded update runs as one XLA program on the host",
     "zero_optimization.cpu_offload_use_pin_memory": "deprecated; DeepSpeed ignores it too (use offload_*.pin_memory)",
     "zero_optimization.stage3_model_persistence_threshold": "only stage3_param_persistence_threshold is applied",
     "zero_optimization.model_persistence_threshold": "only stage3_param_persistence_threshold is applied",
@@ -154,20 +161,20 @@ MOOT: dict[str, str] = {
     "zero_optimization.override_module_apply": "no module hooks: parameters are created partitioned under jit",
     "zero_optimization.log_trace_cache_warnings": "no trace cache: the step is compiled once",
     "zero_optimization.enable_sanity_checks": "shapes and shardings are checked when the step is compiled",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "no NVMe offload",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": "no Muon optimizer",
     "zero_optimization.leaf_module": "gather groups follow stage3_prefetch_bucket_size",
     "zero_optimization.mics_hierarchical_params_gather": "no MiCS (refused when mics_shard_size is set)",
-    "zero_optimization.offload_optimizer.nvme_path": "no NVMe offload (device 'nvme' is refused)",
-    "zero_optimization.offload_optimizer.buffer_count": "NVMe buffers: no NVMe offload",
-    "zero_optimization.offload_optimizer.pipeline_read": "NVMe tiling: no NVMe offload",
-    "zero_optimization.offload_optimizer.pipeline_write": "NVMe tiling: no NVMe offload",
-    "zero_optimization.offload_optimizer.fast_init": "NVMe: no NVMe offload",
+    "zero_optimization.offload_optimizer.pipeline_read": "the NVMe update always reads the next chunks ahead",
+    "zero_optimization.offload_optimizer.pipeline_write": "the NVMe update always writes chunks behind",
+    "zero_optimization.offload_optimizer.fast_init": "the NVMe file is preallocated and written once, chunk by chunk",
     "zero_optimization.offload_optimizer.super_offload": "the host update is one XLA program; no Superchip-specific path",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "XLA's host backend picks its threads",
-    "zero_optimization.offload_param.nvme_path": "no NVMe offload (device 'nvme' is refused)",
-    "zero_optimization.offload_param.buffer_count": "NVMe buffers: no NVMe offload",
-    "zero_optimization.offload_param.buffer_size": "NVMe buffers: no NVMe offload",
-    "zero_optimization.offload_param.max_in_cpu": "NVMe: no NVMe offload",
+    "zero_optimization.offload_param.nvme_path": _NO_PARAM_STREAM,
+    "zero_optimization.offload_param.buffer_count": _NO_PARAM_STREAM,
+    "zero_optimization.offload_param.buffer_size": _NO_PARAM_STREAM,
+    "zero_optimization.offload_param.max_in_cpu": _NO_PARAM_STREAM,
+    "aio.block_size": _LIBAIO, "aio.queue_depth": _LIBAIO, "aio.single_submit": _LIBAIO, "aio.overlap_events": _LIBAIO,
+    "aio.intra_op_parallelism": _LIBAIO, "aio.use_gds": "no GPUDirect Storage: the chunks are updated on the host",
     # activation checkpointing
     "activation_checkpointing.partition_activations": "kept layer inputs are split over the tensor axis only "
                                                       "with Config.sequence_parallel",

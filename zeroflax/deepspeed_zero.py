@@ -3,7 +3,9 @@
 stage -> Config.zero_stage; ZeRO-3's sizes (stage3_param_persistence_threshold, stage3_prefetch_bucket_size,
 stage3_max_live_parameters, stage3_max_reuse_distance, or their names without stage3_) -> the Config fields
 of those names ("auto" was resolved before, deepspeed_auto.py); zero_quantized_weights (ZeRO++ qwZ) -> Config.quantized_weights; offload_optimizer and
-offload_param (and the old cpu_offload, cpu_offload_param) -> OffloadOptimizerConfig and OffloadParamConfig.
+offload_param (and the old cpu_offload, cpu_offload_param) -> OffloadOptimizerConfig and OffloadParamConfig;
+with device 'nvme', nvme_path, buffer_count, sub_group_size and aio.thread_count -> OffloadOptimizerConfig's
+NVMe keys.
 """
 from __future__ import annotations
 
@@ -73,14 +75,55 @@ def read_zero(ds: dict, settings: Settings, notes: list) -> int:
                          "device holds what DeepSpeed's does: master shard + optimizer state")
             settings.set(f"{cls.__name__}.device", "none", f"{prefix}.device", False)
             continue
-        if device == "nvme":
-            raise ConfigError(f"{prefix}.device", "'nvme' (ZeRO-Infinity) is refused: JAX has no NVMe memory kind",
-                              "use 'cpu'")
-        if device not in ("none", "cpu"):
-            raise ConfigError(f"{prefix}.device", f"unknown device {device!r}", "use 'none' or 'cpu'")
+        if kind == "offload_param" and device == "nvme":
+            # The parameters are not streamed from disk into the forward pass (OffloadParamConfig.device); beside
+            # offload_optimizer 'nvme' their fp32 master shards are on disk already, and the device keeps its
+            # compute-dtype shard, which DeepSpeed would have moved to NVMe as well.
+            if settings.values.get("OffloadOptimizerConfig.device") != "nvme":
+                raise ConfigError(f"{prefix}.device", "'nvme' streams the parameters from disk into the forward pass, "
+                                  "which is not built; zeroflax keeps the master weights on disk only through "
+                                  "offload_optimizer", "set zero_optimization.offload_optimizer.device 'nvme' (the "
+                                  "device then keeps a 16-bit 1/N shard), or offload_param.device 'cpu'")
+            notes.append(f"{prefix}: 'nvme' read as 'none' beside offload_optimizer 'nvme': the fp32 master weights and "
+                         "optimizer state are on disk; the device keeps its compute-dtype shard of the parameters "
+                         "(2 bytes per parameter / N, which DeepSpeed would move to NVMe too)")
+            settings.set(f"{cls.__name__}.device", "none", f"{prefix}.device", False)
+            continue
+        if device not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"{prefix}.device", f"unknown device {device!r}", "use 'none', 'cpu' or 'nvme'")
         short = cls.__name__
         written = "device" in block or legacy in zero
         settings.set(f"{short}.device", device, f"{prefix}.device", written)
         settings.set(f"{short}.pin_memory", as_bool(block.get("pin_memory", True), f"{prefix}.pin_memory"),
                      f"{prefix}.pin_memory", "pin_memory" in block)
+        if device == "nvme":
+            _read_nvme(ds, zero, block, prefix, settings, notes)
+    if settings.values.get("OffloadOptimizerConfig.device") != "nvme":
+        for path, present in (("zero_optimization.sub_group_size", "sub_group_size" in zero), ("aio", "aio" in ds)):
+            if present:
+                notes.append(f"{path}: accepted, nothing to do: it sizes DeepSpeed's NVMe swapping, and "
+                             "offload_optimizer.device is not 'nvme'")
     return stage
+
+
+def _read_nvme(ds: dict, zero: dict, block: dict, prefix: str, settings: Settings, notes: list) -> None:
+    """offload_optimizer 'nvme': its path and buffers, sub_group_size (the elements DeepSpeed's optimizer swaps
+    at once: our chunk) and the top-level aio block's thread count."""
+    path = block.get("nvme_path")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{prefix}.nvme_path", f"device 'nvme' needs a directory, got {path!r}",
+                          "give the path of a directory on a local NVMe disk")
+    settings.set("OffloadOptimizerConfig.nvme_path", path, f"{prefix}.nvme_path")
+    count = as_int(block.get("buffer_count", 4), f"{prefix}.buffer_count", 2, integral_float=True)
+    settings.set("OffloadOptimizerConfig.buffer_count", count, f"{prefix}.buffer_count", "buffer_count" in block)
+    if "sub_group_size" in zero:
+        size = as_int(zero["sub_group_size"], "zero_optimization.sub_group_size", 1, integral_float=True)
+        settings.set("OffloadOptimizerConfig.buffer_size", size, "zero_optimization.sub_group_size")
+        notes.append(f"zero_optimization.sub_group_size: {size:,} elements per streamed chunk, so the NVMe update's "
+                     f"buffers take about {count} x {size:,} x 12 bytes = {count * size * 12 / 2**30:.1f} GiB of host "
+                     "memory with Adam (OffloadOptimizerConfig.buffer_size)")
+    aio = as_block(ds.get("aio", {}), "aio")
+    check_block(aio, "aio", notes)
+    if "thread_count" in aio:
+        settings.set("OffloadOptimizerConfig.io_threads", as_int(aio["thread_count"], "aio.thread_count", 1,
+                                                                 integral_float=True), "aio.thread_count")
