@@ -293,7 +293,8 @@ def test_invalid_offload_combinations_name_the_key(changes, key):
 
 
 @pytest.mark.parametrize("kwargs,key", [
-    (dict(device="nvme"), "OffloadOptimizerConfig.device"),
+    (dict(device="nvme"), "OffloadOptimizerConfig.nvme_path"),  # tests/test_nvme.py has the rest of 'nvme'
+    (dict(device="disk"), "OffloadOptimizerConfig.device"),
     (dict(device="cpu", update="gpu"), "OffloadOptimizerConfig.update"),
     (dict(device="cpu", update="device", delayed_update=True), "OffloadOptimizerConfig.delayed_update"),
     (dict(delayed_update=True), "OffloadOptimizerConfig.device"),

@@ -83,7 +83,7 @@ def read_zero(ds: dict, settings: Settings, notes: list) -> int:
                 raise ConfigError(f"{prefix}.device", "'nvme' streams the parameters from disk into the forward pass, "
                                   "which is not built; zeroflax keeps the master weights on disk only through "
                                   "offload_optimizer", "set zero_optimization.offload_optimizer.device 'nvme' (the "
-                                  "device then keeps a 16-bit 1/N shard), or offload_param.device 'cpu'")
+                                  "device then keeps a compute-dtype 1/N shard), or offload_param.device 'cpu'")
             notes.append(f"{prefix}: 'nvme' read as 'none' beside offload_optimizer 'nvme': the fp32 master weights and "
                          "optimizer state are on disk; the device keeps its compute-dtype shard of the parameters "
                          "(2 bytes per parameter / N, which DeepSpeed would move to NVMe too)")
