@@ -1,6 +1,6 @@
 """`zeroflax estimate`: DeepSpeed's estimator formulas equal DeepSpeed's own functions (test vectors from
 tools/gen_deepspeed_estimates.py), and zeroflax's own figures meet compiled.memory_analysis() of the real
-engine for the tiny GPT at stages 0-3 and with offload on 8 simulated devices."""
+engine for the tiny GPT at stages 0-3, with offload and with NVMe offload on 8 simulated devices."""
 import json
 import pathlib
 
@@ -49,16 +49,19 @@ def test_the_grid_covers_three_model_sizes_and_every_offload_flag():
 # ------------------------------------------------------------------ zeroflax's figures vs memory_analysis
 GPT_TINY = GPTConfig(num_layers=2, d_model=32, num_heads=2, max_len=32)
 SEQ, MICRO = 32, 2
-# (stage, offload, remat, grad_accum_steps): every stage, both offloads, three remat policies, accumulation.
+# (stage, offload, remat, grad_accum_steps): every stage, both offloads, NVMe (beside the same row with the
+# state in host memory), three remat policies, accumulation.
 ROWS = [(0, "none", "none", 1), (1, "none", "full", 2), (2, "none", "dots", 2), (3, "none", "dots", 1),
-        (2, "optimizer", "full", 1), (3, "optimizer+param", "dots_no_batch", 2)]
+        (2, "optimizer", "full", 1), (3, "optimizer+param", "dots_no_batch", 2), (2, "nvme", "full", 1)]
 
 
-def _compiled_memory(stage, offload, remat, accum):
+def _compiled_memory(stage, offload, remat, accum, nvme_path):
     model = GPT(GPT_TINY)
+    optimizer = (zeroflax.OffloadOptimizerConfig("nvme", nvme_path=str(nvme_path)) if offload == "nvme" else
+                 zeroflax.OffloadOptimizerConfig("cpu" if offload != "none" else "none"))
     config = zeroflax.Config(
         zero_stage=stage, remat=remat, micro_batch_size=MICRO, grad_accum_steps=accum, persistence_threshold=256,
-        grad_clip=1.0, offload_optimizer=zeroflax.OffloadOptimizerConfig("cpu" if offload != "none" else "none"),
+        grad_clip=1.0, offload_optimizer=optimizer,
         offload_param=zeroflax.OffloadParamConfig("cpu" if offload == "optimizer+param" else "none"))
     batch = {"tokens": np.zeros((config.resolve_train_batch(8), SEQ + 1), np.int32)}
     engine, state = zeroflax.initialize(next_token_loss(model), lambda r, b: model.init(r, b["tokens"][:, :-1])["params"],
@@ -69,8 +72,16 @@ def _compiled_memory(stage, offload, remat, accum):
 
 
 @pytest.fixture(scope="module")
-def measured():
-    return {row: _compiled_memory(*row) for row in ROWS}
+def measured(tmp_path_factory):
+    from zeroflax.step import build
+    nvme = tmp_path_factory.mktemp("estimate") / "nvme"
+    with pytest.MonkeyPatch.context() as patch:
+        # Building an NVMe engine first proves the optimizer elementwise by running a chunked update against
+        # a whole one (about 8 s here); adamw is (tests/test_nvme.py), and only the layout matters here.
+        patch.setattr(build, "check_elementwise", lambda *args: None)
+        out = {row: _compiled_memory(*row, nvme) for row in ROWS}
+    assert not nvme.exists()  # abstract: the NVMe engine compiled without creating its file
+    return out
 
 
 def _estimated(stage, offload, remat, accum):
@@ -124,6 +135,37 @@ def test_cli_prints_both_columns_and_json(capsys):
     assert cli.main(["estimate", "--params", "125e6", "--devices", "4"]) == 0
     table = capsys.readouterr().out
     assert "DeepSpeed" in table and "optimizer+param" in table
+
+
+def test_nvme_rows_put_the_optimizer_state_on_disk(capsys):
+    """A bare count (every leaf partitioned), Adam, N = 16: each 'nvme' row holds 12 Psi / N on disk per device
+    (x 8 per node) and nothing in host memory but the stream's buffers; the device keeps the 'optimizer' row's
+    compute copy plus the reduced fp32 gradient shard (4 Psi / N); DeepSpeed has no NVMe figures."""
+    psi, n = 1_300_000_000, 16
+    assert cli.main(["estimate", "--params", "1.3e9", "--devices", "8", "--nodes", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {(r["stage"], r["offload"]): r for r in result["rows"]}
+    assert [s for s, o in rows if o == "nvme"] == [1, 2, 3]
+    for stage in (1, 2, 3):
+        nvme, host = rows[stage, "nvme"], rows[stage, "optimizer"]
+        assert nvme["disk_per_device"] == pytest.approx(12 * psi / n, rel=1e-12)
+        assert nvme["disk_per_node"] == pytest.approx(8 * 12 * psi / n, rel=1e-12)
+        assert nvme["disk_per_device"] == pytest.approx(host["host_per_device"], rel=1e-12)
+        assert nvme["host_per_device"] == nvme["host_per_node"] == 0
+        assert nvme["deepspeed_gpu"] is None and nvme["deepspeed_cpu_per_node"] is None
+        assert nvme["compute_copy"] == host["compute_copy"]
+        assert nvme["pending_grads"] == pytest.approx(4 * psi / n, rel=1e-12)
+        assert nvme["device_at_rest"] == pytest.approx(host["device_at_rest"] + 4 * psi / n, abs=1)
+        # Defaults: 4 buffers of 10M elements (the shards are 81M) at 12 bytes.
+        assert nvme["host_buffers"] == 4 * 10_000_000 * 12
+        assert host["disk_per_device"] == 0 and host["host_buffers"] == 0
+    assert "deepspeed_gpu" in result["sources"] and "NVMe" in result["sources"]["deepspeed_gpu"]
+    assert cli.main(["estimate", "--params", "1.3e9", "--devices", "8", "--nodes", "2", "--unit", "GiB"]) == 0
+    table = capsys.readouterr().out
+    section = table.split("NVMe (offload_optimizer nvme)")[1]  # the disk table below the main one
+    line = next(l for l in section.splitlines() if l.startswith("3      nvme"))
+    disk = 12 * psi / n / 2**30
+    assert f"{disk:10.2f} {8 * disk:10.2f}" in line, line
 
 
 def test_cli_errors_name_the_flag(capsys):

@@ -1,7 +1,8 @@
 """`zeroflax plan`: on 8 simulated devices, with a per-device budget that every stage-0 configuration of the
 tiny GPT exceeds, the chosen configuration compiles within the budget, no candidate the cost model
 predicts cheaper was let go except by a compile over budget or a memory rule, the analytic bounds are
-below the compiled costs, and the written gin file trains."""
+below the compiled costs, and the written gin file trains. NVMe offload ('nvme') is searched only on
+request, with a directory, pruned by --disk-memory, and compiled from abstract inputs without a file."""
 import json
 import math
 import os
@@ -13,7 +14,7 @@ from cli_helpers import TINY, losses, tiny_bindings, zeroflax as run_cli
 from zeroflax import cli
 from zeroflax.config import Config
 from zeroflax.models.gpt import GPTConfig
-from zeroflax.plan import Candidate, Planner
+from zeroflax.plan import Candidate, Planner, Space, enumerate_candidates
 from zeroflax.train import TrainConfig
 
 # The tiny GPT at 2 sequences of 32 tokens per device: every stage-0 step needs more than 850 KiB
@@ -115,8 +116,95 @@ def test_errors_name_the_flag(capsys):
         assert "--device-memory" in capsys.readouterr().err
         assert cli.main(["plan", "--device-memory", "1GB", "--remat", "most"]) == 2
         assert "--remat" in capsys.readouterr().err
+        assert cli.main(["plan", "--device-memory", "1GB", "--offload", "none,disk"]) == 2
+        assert "--offload" in (err := capsys.readouterr().err) and "nvme" in err
+        assert cli.main(["plan", "--device-memory", "1GB", "--offload", "nvme", "--nvme-path", "/x",
+                         "--disk-memory", "much"]) == 2
+        assert "--disk-memory" in capsys.readouterr().err
+        # These two fail after the gin config is parsed (and locked): cleared between them.
+        assert cli.main(["plan", "--device-memory", "1GB", "--offload", "none,nvme"]) == 2
+        assert "--nvme-path" in capsys.readouterr().err
+        gin.clear_config()
         assert cli.main(["plan", "--device-memory", "1GB", "--devices", "4"]) == 2
         assert "--devices" in capsys.readouterr().err
     finally:
         gin.clear_config()
         os.environ["XLA_FLAGS"] = env
+
+
+# ------------------------------------------------------------------------------------------ NVMe offload
+GPT_TINY = GPTConfig(num_layers=2, d_model=32, num_heads=2, max_len=32)
+
+
+def test_nvme_candidates_only_on_request():
+    """Not in the default space (it needs a directory); asked for, at stages 1-3 only, each with the path."""
+    base = Config(micro_batch_size=2, persistence_threshold=0)
+    default = enumerate_candidates(base, GPT_TINY, 8, 16, Space(remats=("full",), tensor=(1,)))
+    assert default and all(c.offload != "nvme" for c in default)
+    asked = enumerate_candidates(base, GPT_TINY, 8, 16, Space(offloads=("none", "nvme"), remats=("full",),
+                                                               tensor=(1,), nvme_path="/local_nvme/run"))
+    nvme = [c for c in asked if c.offload == "nvme"]
+    assert sorted({c.stage for c in nvme}) == [1, 2, 3]
+    assert all(c.nvme_path == "/local_nvme/run" for c in nvme)
+    config = nvme[0].config(base).offload_optimizer
+    assert (config.device, config.nvme_path) == ("nvme", "/local_nvme/run")
+
+
+def _plan(tmp, *args):
+    """`zeroflax plan` of the tiny GPT at 2 sequences per device in one micro-batch, 'full' remat, data 8; its
+    JSON report (written whether or not a candidate fits) and exit code."""
+    report = tmp / "plan.json"
+    env = os.environ.get("XLA_FLAGS")
+    try:
+        code = cli.main(["plan", "--gin_file", TINY, *tiny_bindings(tmp / "run"), "--gin_param",
+                         "Config.micro_batch_size = 2", "--remat", "full", "--micro-batches", "2", "--tensor", "1",
+                         "--json", str(report), "--no_progress", *args])
+    finally:
+        gin.clear_config()
+        os.environ["XLA_FLAGS"] = env
+    return code, json.loads(report.read_text())
+
+
+def test_disk_memory_prunes_nvme_candidates(tmp_path):
+    """Every 'nvme' candidate holds 12 bytes per parameter / 8 on disk per device, 12 x 34,432 = 413 KB over
+    the 8 devices: a 400 KB disk prunes each one by that rule, before any compile."""
+    code, result = _plan(tmp_path, "--device-memory", "1MB", "--stages", "1,2,3", "--offload", "nvme",
+                         "--nvme-path", str(tmp_path / "nvme"), "--disk-memory", "400KB")
+    assert code == 2 and result["compiles"] == 0 and result["disk_budget"] == 400e3
+    assert len(result["candidates"]) == 3
+    for c in result["candidates"]:
+        assert c["status"] == "pruned" and c["reason"].startswith("memory: disk states ")
+        # (and the optimizer's step counts, kept beside the records: a few bytes)
+        assert "> --disk-memory" in c["reason"] and c["disk"] == pytest.approx(12 * 34_432 / 8, abs=16)
+
+
+def test_a_plan_with_nvme_compiles_without_a_file(tmp_path, monkeypatch):
+    """--offload none,nvme at stage 3, with a budget between the two compiled peaks (none 413 KiB, nvme 383
+    KiB: the compute copy takes the master weights' place and the Adam state is on disk): the 'none'
+    candidate is cheaper by the bound, compiles over the budget, and the 'nvme' one wins. Its disk and
+    host bytes (after the program) are the bound's; the winner's gin file names the path, where nothing
+    was written."""
+    from zeroflax.step import build
+    # Each NVMe engine first proves its optimizer elementwise against a whole update (about 8 s here; the
+    # train job's adamw is, tests/test_nvme.py): left out, as only the plan's handling is tested here.
+    monkeypatch.setattr(build, "check_elementwise", lambda *args: None)
+    nvme, out = tmp_path / "nvme", tmp_path / "plan.gin"
+    code, result = _plan(tmp_path, "--device-memory", "398KiB", "--stages", "3", "--offload", "none,nvme",
+                         "--nvme-path", str(nvme), "--out", str(out))
+    assert code == 0 and not nvme.exists()
+    by = {c["offload"]: c for c in result["candidates"]}
+    assert by["none"]["status"] == "over budget", by["none"]
+    winner = result["winner"]
+    assert winner["offload"] == "nvme" and winner["device_peak"] <= result["budget"]
+    assert winner["measured"]["disk"] == pytest.approx(winner["bound"]["disk"], rel=1e-9)
+    assert winner["measured"]["disk"] == pytest.approx(2 * 12 * 34_432 / 8, rel=1e-9)  # read + written
+    assert winner["bound"]["host"] <= winner["measured"]["host"] * (1 + 1e-9)
+    assert winner["bound"]["flops"] <= winner["measured"]["flops"] * (1 + 1e-9)
+    # The gin file binds a Config the engine takes (without training it: that would write the file).
+    from zeroflax.command_flags import parse_gin
+    try:
+        parse_gin([str(out)], [])
+        offload = Config().offload_optimizer
+    finally:
+        gin.clear_config()
+    assert (offload.device, offload.nvme_path, offload.buffer_count) == ("nvme", str(nvme), 4)

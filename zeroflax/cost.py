@@ -2,6 +2,7 @@
 
     time = collective bytes per device / bandwidth
          + host<->device bytes per device / host_bandwidth
+         + disk bytes per device / disk_bandwidth   (NVMe offload: the state's file, read + written)
          + FLOPs per device / flops            (forward + backward + recomputation)
          + pipeline bubble: the compute term x (S - 1) / M with S stages and M micro-batches
 
@@ -15,6 +16,14 @@ Each term has two sources:
     leaf as the engine issues them (step/zero_sync.py, the ZeRO-3 gathers), Megatron's all-reduces
     over `tensor`, the stage sends over `pipe`, offload's transfers, and the matmul FLOPs of the GPT
     (elementwise work and recomputation the bound is not sure of are left out, so it stays below).
+
+NVMe offload (`OffloadOptimizerConfig.device` 'nvme', offload 'nvme' here) moves nothing between host and
+device inside the compiled program: after it, the gradient shards go down and the compute copy's chunks
+come back, chunk by chunk, while the state's file is read once and written once ((4 + K) bytes per true
+element of this device's partition, each way), and at stages 1-2 the new compute copy is all-gathered by a
+program of its own. None of that is in the step's program, so both sources count it from the placement
+(`nvme_traffic`; `nvme_outside` for a compiled engine): the same figures, the bound's from the unpadded
+leaves.
 """
 from __future__ import annotations
 
@@ -65,11 +74,18 @@ def hlo_dot_flops(hlo_text: str, weights: dict | None = None) -> tuple[float, bo
     return total, unknown
 
 
+# An NVMe SSD's sequential rate, about 2 GB/s each way for one PCIe 3 x4 drive (PCIe 4 drives do 5-7 GB/s),
+# taken per device: one such drive per device, or a faster drive (or a RAID of several) that devices share.
+# Reads and writes count together against it, as one drive serves both.
+DISK_BANDWIDTH = 2e9
+
+
 @dataclasses.dataclass(frozen=True)
 class Rates:
     bandwidth: float  # collective bytes per second per device
     host_bandwidth: float  # host<->device bytes per second per device
     flops: float  # FLOP per second per device
+    disk_bandwidth: float = DISK_BANDWIDTH  # NVMe offload's file: bytes read + written per second per device
 
 
 @dataclasses.dataclass
@@ -79,14 +95,26 @@ class Cost:
     flops: float  # FLOPs per device per step
     bubble: float = 0.0  # idle share factor: (S - 1) / M under a pipeline, else 0
     source: str = "analytic"
+    disk: float = 0.0  # NVMe offload: the state's file, bytes read + written per device per step
 
     def seconds(self, rates: Rates) -> float:
         compute = self.flops / rates.flops
-        return self.comm / rates.bandwidth + self.host / rates.host_bandwidth + compute * (1 + self.bubble)
+        return (self.comm / rates.bandwidth + self.host / rates.host_bandwidth + self.disk / rates.disk_bandwidth
+                + compute * (1 + self.bubble))
 
     def parts(self, rates: Rates) -> dict:
         return dict(comm_s=self.comm / rates.bandwidth, host_s=self.host / rates.host_bandwidth,
-                    compute_s=self.flops / rates.flops, bubble_s=self.flops / rates.flops * self.bubble)
+                    compute_s=self.flops / rates.flops, bubble_s=self.flops / rates.flops * self.bubble,
+                    disk_s=self.disk / rates.disk_bandwidth)
+
+
+def nvme_traffic(true_elements: float, opt_bytes: float, compute_bytes: int) -> tuple[float, float]:
+    """(host<->device bytes, disk bytes) per device per step of the NVMe update for `true_elements` of this
+    device's partition: the fp32 gradient rows down and the compute copy's rows up (the chunks move their
+    true elements only), and the file's records read once and written once: the master weights and the
+    optimizer's parameter-shaped state (`opt_bytes` per element; Adam 8)."""
+    from zeroflax.estimate import MASTER_BYTES
+    return (MASTER_BYTES + compute_bytes) * true_elements, 2 * (MASTER_BYTES + opt_bytes) * true_elements
 
 
 # ------------------------------------------------------------------------------------ analytic bound
@@ -134,7 +162,7 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
     optimizer_off = offload != "none"
     param_off = offload == "optimizer+param"
     comm = 0.0
-    grads_to_host = copy_elements = streamed = 0.0
+    grads_to_host = copy_elements = streamed = true_elements = 0.0
     for leaf, local, partitioned in leaf_placements(spec, setup):
         if not partitioned:  # replicated over data: its gradient is all-reduced once per step
             comm += 2 * MASTER_BYTES * local * share
@@ -150,13 +178,16 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
             gathers = 2 if leaf.stacked else 1
             comm += accum * (gathers * compute + MASTER_BYTES) * local * share
         shard = local / n if partitioned else local
+        true_elements += shard
         grads_to_host += MASTER_BYTES * shard
         if param_off and partitioned:
             streamed += shard * (2 if leaf.stacked else 1)  # streamed where it is gathered
         else:
             copy_elements += shard  # the new compute copy comes back as shards (all-gathered on the device)
-    host = 0.0
-    if optimizer_off:  # the update on the host: gradients down, the compute copy up, streamed shards
+    host = disk = 0.0
+    if offload == "nvme":  # after the program: gradients down, the copy up, the file read and written
+        host, disk = nvme_traffic(true_elements, spec.opt_bytes, compute)
+    elif optimizer_off:  # the update on the host: gradients down, the compute copy up, streamed shards
         host = grads_to_host + compute * copy_elements + accum * MASTER_BYTES * streamed
     activation = micro_batch * seq * gpt.d_model * compute / sequence  # one micro-batch's residual stream on one device
     if tensor > 1:
@@ -171,12 +202,13 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
         bubble = (pipe - 1) / accum
     tokens = global_batch * seq / n
     flops = gpt_matmul_flops(gpt, seq, tokens, remat, pipe, causal_skip=sequence > 1) / (tensor * pipe)
-    return Cost(comm, host, flops, bubble, "analytic")
+    return Cost(comm, host, flops, bubble, "analytic", disk)
 
 
 # ------------------------------------------------------------------------------------ compiled
 def measure(engine, compiled, jaxpr=None) -> Cost:
-    """The cost of a compiled step, read from the program (module docstring)."""
+    """The cost of a compiled step, read from the program (module docstring); with the state on disk, what
+    its update moves after the program is added from the placement (`nvme_outside`)."""
     from zeroflax.comm import host_transfers, parse_collectives
 
     tables = engine.pipeline_tables()
@@ -188,4 +220,36 @@ def measure(engine, compiled, jaxpr=None) -> Cost:
     bubble = engine.schedule.bubble_fraction() if engine.schedule is not None else 0.0
     # bubble_fraction is idle / all ticks = (S-1)/(M+S-1); the time factor on busy compute is (S-1)/M.
     factor = bubble / (1 - bubble) if bubble else 0.0
-    return Cost(sum(c.bytes_per_step for c in collectives), host, flops, factor, "compiled")
+    comm, disk = sum(c.bytes_per_step for c in collectives), 0.0
+    if engine.config.offload_optimizer.on_disk:
+        gather, outside, disk = nvme_outside(engine)
+        comm, host = comm + gather, host + outside
+    return Cost(comm, host, flops, factor, "compiled", disk)
+
+
+def nvme_outside(engine) -> tuple[float, float, float]:
+    """(collective, host<->device, disk) bytes per device per step that an NVMe engine's update moves after
+    its compiled program, from its plan: `nvme_traffic` of this device's true elements (per leaf: the leaf
+    over its mesh slicing, and over ZeRO's N where partitioned; a leaf below the persistence threshold
+    whole, per device, as the estimate and the bound count it, though a process's file holds it once),
+    and at stages 1-2 the all-gather of the new compute copy over N as a ring moves it (result x (N - 1) / N,
+    padding included, as comm.parse_collectives counts). K: the optimizer's parameter-shaped state per
+    parameter (`estimate.opt_bytes`), as the bound takes it from the spec."""
+    import jax
+    import numpy as np
+
+    from zeroflax.estimate import opt_bytes
+    from zeroflax.sharding.policy import is_placement
+
+    plan, mesh, n = engine.plan, dict(engine.mesh.shape), engine.zero_size
+    compute = np.dtype(engine.config.compute_dtype).itemsize
+    # A leaf's own mesh axes (tensor, pipe); an entry may name several axes.
+    axes = lambda base: [a for entry in base if entry for a in (entry if isinstance(entry, tuple) else (entry,))]
+    true_elements = gathered = 0.0
+    for p in jax.tree.leaves(plan.placements, is_leaf=is_placement):
+        split = math.prod(mesh[a] for a in axes(p.base))
+        true_elements += math.prod(p.shape) / split / (n if p.zero_dim is not None else 1)
+        if p.zero_dim is not None and engine.config.zero_stage in (1, 2):
+            gathered += compute * math.prod(p.stored_shape) / split * (n - 1) / n
+    host, disk = nvme_traffic(true_elements, opt_bytes(plan.abstract_params, plan.abstract_opt_state)[0], compute)
+    return gathered, host, disk

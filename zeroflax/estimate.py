@@ -1,4 +1,4 @@
-"""`zeroflax estimate`: memory per device and per host for ZeRO stages 0-3, with and without offload.
+"""`zeroflax estimate`: memory per device, per host and on disk for ZeRO stages 0-3, with and without offload.
 
 Two independent columns, each with its source:
 
@@ -8,7 +8,8 @@ Two independent columns, each with its source:
   checked case by case against DeepSpeed's own functions (tools/gen_deepspeed_estimates.py,
   tests/data/deepspeed_estimates.json). DeepSpeed publishes them for stages 2 and 3 only; its GPU
   figure is model states with gradients (16-bit parameters, 16- and 32-bit gradients, 32-bit master
-  weights and Adam), its CPU figure is per node.
+  weights and Adam), its CPU figure is per node. It has no NVMe row (its functions take no NVMe flag), so
+  the 'nvme' rows have no DeepSpeed figures.
 - **zeroflax**: this engine's placement, leaf by leaf (`zeroflax_states`): the sharding policy's own rule
   (`sharding.policy.zero_placement`: the persistence threshold, and padding where the data size divides
   no free dimension) on the mesh (tensor and pipe slicing through the logical rules), fp32 master weights (P bytes), the
@@ -19,17 +20,29 @@ Two independent columns, each with its source:
     at rest     parameters, optimizer state (and under offload the compute copy) in device memory; under
                 offload the master weights and optimizer state are in host memory instead (12 Psi / N),
                 counted per device and per host (times the devices per node)
+    disk        (rows 'nvme', ZeRO-Infinity: OffloadOptimizerConfig.device 'nvme') the master weights and
+                optimizer state are in a file instead, true elements only (no padding): (4 + K) Psi / N per
+                device (12 Psi / N with Adam), per node times the devices per node; a leaf below the
+                persistence threshold counts whole per device, as the host column counts it (the file of a
+                process holds it once). The device keeps the compute copy, as under 'optimizer', and the
+                reduced fp32 gradient shard (`pending_grads`, 4 Psi / N, at every stage 1-3) that the
+                update streams after the step; host memory holds only the stream's buffers, per process:
+                buffer_count x min(buffer_size, the largest leaf shard) x (4 + K) bytes. Per step the file
+                is read once and written once: the disk figure each way
     + grads     at rest plus the gradient buffer (full fp32 at stages 0-1, a shard at 2-3): the
                 quantity DeepSpeed's GPU figure describes
-    arguments   (a gin config) at rest + this device's rows of the batch: the step's arguments
+    arguments   (a gin config) at rest + this device's rows of the batch: the step's arguments (an
+                'nvme' row's `pending_grads` too: the step only writes them, but it takes the state whole,
+                donated, so the new ones reuse the old buffer)
     peak        (a GPT from gin, no pipe axis) arguments + gradients + the activations one micro-batch
                 keeps for the backward pass under the remat policy + the layer being recomputed
                 (`gpt_peak`): a model of XLA's `memory_analysis()` argument + output + temp - alias
 
 tests/test_estimate.py compares the arguments (with the host states) with
 `compiled.memory_analysis().argument_size_in_bytes`, and the peak with argument + output + temp - alias,
-of the real engine on 8 simulated devices (stages 0-3 and offload): on the CPU backend host memory is
-device memory, so both include the host's share there. docs/plan.md has the measured errors.
+of the real engine on 8 simulated devices (stages 0-3, offload, and NVMe, whose state on disk is in no
+argument): on the CPU backend host memory is device memory, so both include the host's share there.
+docs/plan.md has the measured errors.
 """
 from __future__ import annotations
 
@@ -44,9 +57,12 @@ from zeroflax.config import ConfigError
 MASTER_BYTES = 4  # fp32 master weights and gradients
 ADAM_BYTES = 8  # Adam's two fp32 moments per parameter
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# (stage, offload) rows of the table: offload 'none', 'optimizer' (offload_optimizer cpu), 'optimizer+param'.
-ROWS = ((0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"),
-        (3, "none"), (3, "optimizer"), (3, "optimizer+param"))
+# (stage, offload) rows of the table: offload 'none', 'optimizer' (offload_optimizer cpu), 'optimizer+param',
+# 'nvme' (offload_optimizer nvme: the state on disk, streamed through host buffers; offload_param 'none').
+ROWS = ((0, "none"), (1, "none"), (1, "optimizer"), (1, "nvme"), (2, "none"), (2, "optimizer"), (2, "nvme"),
+        (3, "none"), (3, "optimizer"), (3, "optimizer+param"), (3, "nvme"))
+# The nvme_path of a row when the input config has none: the estimate and compile-only tools write no file.
+NVME_PLACEHOLDER = "/nvme"
 
 
 # --------------------------------------------------------------------------- DeepSpeed's formulas
@@ -155,13 +171,22 @@ def spec_from_gpt(gpt, optimizer=None) -> ModelSpec:
     # DeepSpeed's largest layer is the biggest module's own parameters; a torch GPT's modules are its
     # Linear and Embedding layers, so here: the biggest leaf (one layer's slice of a stacked leaf).
     largest = max(math.prod(l.shape[1:]) if l.stacked else l.size for l in leaves)
-    opt = jax.eval_shape((optimizer or optax.adamw(1e-3)).init, values)
-    shapes = {tuple(x.shape) for x in flat}
-    opt_leaves = jax.tree.leaves(opt)
+    per_param, other = opt_bytes(values, jax.eval_shape((optimizer or optax.adamw(1e-3)).init, values))
+    num = sum(l.size for l in leaves)
+    return ModelSpec(leaves, largest, per_param, other, name=f"GPT ({num:,} parameters)", gpt=gpt)
+
+
+def opt_bytes(abstract_params, abstract_opt) -> tuple[float, int]:
+    """(bytes per parameter of the optimizer's parameter-shaped state, bytes of the rest): K, and the state
+    that is no parameter's (step counts). A state leaf counts as parameter-shaped when some parameter has its
+    shape (not rank 0)."""
+    import jax
+
+    shapes = {tuple(x.shape) for x in jax.tree.leaves(abstract_params)}
+    opt_leaves = jax.tree.leaves(abstract_opt)
     param_shaped = sum(math.prod(x.shape) * x.dtype.itemsize for x in opt_leaves if x.ndim and tuple(x.shape) in shapes)
     other = sum(math.prod(x.shape) * x.dtype.itemsize for x in opt_leaves) - param_shaped
-    num = sum(l.size for l in leaves)
-    return ModelSpec(leaves, largest, param_shaped / num, other, name=f"GPT ({num:,} parameters)", gpt=gpt)
+    return param_shaped / sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params)), other
 
 
 # --------------------------------------------------------------------------- zeroflax's placement
@@ -210,7 +235,8 @@ def leaf_placements(spec: ModelSpec, setup: Setup, stored: bool = False):
 
 @dataclasses.dataclass
 class States:
-    """zeroflax's bytes per device for one (stage, offload) row; `host_*` live in host memory."""
+    """zeroflax's bytes per device for one (stage, offload) row; `host_*` live in host memory, `disk_*` in
+    the NVMe offload's file."""
     stage: int
     offload: str
     device_params: float  # master weights in device memory
@@ -220,10 +246,20 @@ class States:
     host_opt: float
     grad_buffer: float  # gradient buffer held from the backward pass to the update (device)
     other: float  # the optimizer's step counts, the step, rng and loss scale (replicated)
+    # NVMe ('nvme' rows): the master weights and optimizer state (true elements, with the optimizer's step
+    # counts) in the file, and the reduced gradient shards the step leaves on the device for the streamed
+    # update (TrainState.pending_grads, stored shape).
+    disk_params: float = 0.0
+    disk_opt: float = 0.0
+    pending_grads: float = 0.0
 
     @property
     def device_at_rest(self) -> float:
-        return self.device_params + self.device_opt + self.compute_copy + self.other
+        return self.device_params + self.device_opt + self.compute_copy + self.pending_grads + self.other
+
+    @property
+    def disk_at_rest(self) -> float:
+        return self.disk_params + self.disk_opt
 
     @property
     def host_at_rest(self) -> float:
@@ -238,22 +274,42 @@ def zeroflax_states(spec: ModelSpec, setup: Setup, stage: int, offload: str = "n
     """Model-state bytes per device under zeroflax's placement (module docstring)."""
     compute = PRECISION_BYTES[setup.precision]
     n = setup.data
-    optimizer_off = offload in ("optimizer", "optimizer+param")
+    on_disk = offload == "nvme"
+    optimizer_off = offload in ("optimizer", "optimizer+param", "nvme")
     param_off = offload == "optimizer+param"
-    dev_p = dev_o = copy = host_p = host_o = grads = 0.0
+    dev_p = dev_o = copy = host_p = host_o = grads = disk_p = disk_o = pending = 0.0
     for leaf, local, partitioned, padded in leaf_placements(spec, setup, stored=True):
         shard = padded / n if partitioned else local
         master = MASTER_BYTES * (shard if (stage == 3 or optimizer_off) else local)
         opt = spec.opt_bytes * (shard if stage >= 1 else local)
-        if optimizer_off:
+        if on_disk:
+            # The file's records hold the true elements only (the padding stays zero and is never written):
+            # this device's 1/N of the unpadded leaf, or the whole of one below the threshold.
+            true = local / n if partitioned else local
+            disk_p, disk_o = disk_p + MASTER_BYTES * true, disk_o + spec.opt_bytes * true
+            pending += MASTER_BYTES * shard  # the gradient as reduced: partitioned (and padded) at stages 1-3
+        elif optimizer_off:
             host_p, host_o = host_p + master, host_o + opt
-            if not (param_off and partitioned):  # offload_param: only persistent leaves keep a copy
-                copy += compute * (shard if stage == 3 else local)
         else:
             dev_p, dev_o = dev_p + master, dev_o + opt
+        if optimizer_off and not (param_off and partitioned):  # offload_param: only persistent leaves keep a copy
+            copy += compute * (shard if stage == 3 else local)
         grads += MASTER_BYTES * (shard if stage >= 2 else local)
-    other = spec.opt_other_bytes + 4 + 8 + 16  # opt counts; step int32; rng uint32[2]; loss scale 4 x 4 B
-    return States(stage, offload, dev_p, dev_o, copy, host_p, host_o, grads, other)
+    # step int32; rng uint32[2]; loss scale 4 x 4 B; the optimizer's step counts, which under 'nvme' are not
+    # in the TrainState (its opt_state is None) but beside the records in the file.
+    other = 4 + 8 + 16 + (0 if on_disk else spec.opt_other_bytes)
+    disk_o += spec.opt_other_bytes if on_disk else 0
+    return States(stage, offload, dev_p, dev_o, copy, host_p, host_o, grads, other, disk_p, disk_o, pending)
+
+
+def host_buffer_bytes(spec: ModelSpec, setup: Setup, buffer_count: int, buffer_size: int) -> float:
+    """The host memory of an 'nvme' row's stream, per process: `buffer_count` buffers of one chunk's record,
+    a chunk being at most `buffer_size` elements of one device's shard of one leaf, so no bigger than the
+    largest such shard (true elements), at (4 + K) bytes per element. (A chunk is at least one row of its
+    shard, so a row longer than buffer_size makes it bigger; the records' 4 KiB alignment is left out.)"""
+    largest = max((local / setup.data if partitioned else local
+                   for _, local, partitioned in leaf_placements(spec, setup)), default=0.0)
+    return buffer_count * min(buffer_size, math.ceil(largest)) * (MASTER_BYTES + spec.opt_bytes)
 
 
 # --------------------------------------------------------------------------- the GPT's peak
@@ -309,7 +365,8 @@ def gpt_peak(spec: ModelSpec, setup: Setup, states: States, train: dict) -> floa
     """The modeled peak of the step per device (device + host: what XLA:CPU's memory_analysis counts), or
     None where it is not modeled (a pipe axis larger than 1: the schedule decides what is in flight).
 
-    arguments (states at rest, this device's batch rows)
+    arguments (states at rest, this device's batch rows; an 'nvme' row's `pending_grads` among them: the
+      step's output of them reuses their donated buffer, so they count once)
       + gradients: the full local gradients, which exist before any reduction at stages 0-2 (stage 3
         reduce-scatters each layer's in the backward pass: a shard), and with accumulation the
         accumulator besides (full at stages 0-1, a shard at 2-3)
@@ -334,13 +391,26 @@ def gpt_peak(spec: ModelSpec, setup: Setup, states: States, train: dict) -> floa
     return states.device_at_rest + states.host_at_rest + batch + grads + (saved + working) / tensor
 
 
-def row_config(config, stage: int, offload: str, **changes):
-    """The Config of a table row: `config` at `stage` with `offload` ('none', 'optimizer', 'optimizer+param')
-    and `changes`, in one replace: the Config's checks see the row as a whole (a remat policy that the
-    input's stage 3 refuses may be fine at the row's stage)."""
+def row_config(config, stage: int, offload: str, *, nvme_path: str | None = None, **changes):
+    """The Config of a table row: `config` at `stage` with `offload` ('none', 'optimizer', 'optimizer+param',
+    'nvme') and `changes`, in one replace: the Config's checks see the row as a whole (a remat policy that the
+    input's stage 3 refuses may be fine at the row's stage).
+
+    'nvme' keeps the input's stream settings (buffer_count, buffer_size, io_threads, direct_io) and pin_memory
+    and takes its directory from `nvme_path`, else the input's, else NVME_PLACEHOLDER (nothing here writes
+    the file); the input's 'cpu' settings that 'nvme' refuses (update on the device, the delayed update) are
+    not carried over, nor is an nvme_path into a 'cpu' row (which refuses one)."""
     from zeroflax.config import OffloadOptimizerConfig, OffloadParamConfig
-    optimizer = dataclasses.replace(config.offload_optimizer, device="cpu") if offload != "none" else (
-        OffloadOptimizerConfig(pin_memory=config.offload_optimizer.pin_memory))
+    source = config.offload_optimizer
+    if offload == "nvme":
+        optimizer = OffloadOptimizerConfig(
+            "nvme", pin_memory=source.pin_memory, nvme_path=nvme_path or source.nvme_path or NVME_PLACEHOLDER,
+            buffer_count=source.buffer_count, buffer_size=source.buffer_size, io_threads=source.io_threads,
+            direct_io=source.direct_io)
+    elif offload != "none":
+        optimizer = dataclasses.replace(source, device="cpu", nvme_path="")
+    else:
+        optimizer = OffloadOptimizerConfig(pin_memory=source.pin_memory)
     param = OffloadParamConfig("cpu", optimizer.pin_memory) if offload == "optimizer+param" else OffloadParamConfig()
     return config.replace(zero_stage=stage, offload_optimizer=optimizer, offload_param=param, **changes)
 
@@ -357,7 +427,11 @@ def _refusal(config, stage: int, offload: str) -> str | None:
 # --------------------------------------------------------------------------- the table
 def _deepspeed_row(spec: ModelSpec, devices: int, nodes: int, stage: int, offload: str, zero_init: bool,
                    buffer_factor: float) -> tuple[int, int] | None:
-    """(GPU bytes per GPU, CPU bytes per node) of DeepSpeed's estimator, or None where it has none."""
+    """(GPU bytes per GPU, CPU bytes per node) of DeepSpeed's estimator, or None where it has none (stages 0
+    and 1; NVMe: its estimators take no NVMe flag, and reading 'nvme' as CPU offload would put the disk's
+    bytes in its CPU column)."""
+    if offload == "nvme":
+        return None
     if stage == 2:
         cpu, gpu = deepspeed_zero2(spec.num_params, devices, nodes, cpu_offload=offload != "none",
                                    additional_buffer_factor=buffer_factor)
@@ -373,16 +447,23 @@ def _deepspeed_row(spec: ModelSpec, devices: int, nodes: int, stage: int, offloa
 def estimate(spec: ModelSpec, setup: Setup, nodes: int = 1, *, zero_init: bool = True, buffer_factor: float = 1.5,
              train: dict | None = None, config=None) -> dict:
     """Every row of the table as a dict of bytes; `train` ({'micro_batch', 'seq', 'remat', 'accum'}) adds
-    the batch and, for a GPT, the modeled peak; `config` (the job's Config) marks the rows it refuses."""
+    the batch and, for a GPT, the modeled peak; `config` (the job's Config) marks the rows it refuses, and
+    its offload_optimizer's buffer_count and buffer_size size the 'nvme' rows' host buffers (else the
+    defaults)."""
+    from zeroflax.config import OffloadOptimizerConfig
+    stream = config.offload_optimizer if config is not None else OffloadOptimizerConfig()
     rows = []
     for stage, offload in ROWS:
         states = zeroflax_states(spec, setup, stage, offload)
         ds = _deepspeed_row(spec, setup.devices_per_node, nodes, stage, offload, zero_init, buffer_factor)
+        buffers = host_buffer_bytes(spec, setup, stream.buffer_count, stream.buffer_size) if offload == "nvme" else 0
         row = dict(stage=stage, offload=offload,
                    deepspeed_gpu=None if ds is None else ds[0], deepspeed_cpu_per_node=None if ds is None else ds[1],
                    device_at_rest=states.device_at_rest, device_with_grads=states.with_grads,
                    host_per_device=states.host_at_rest, host_per_node=states.host_at_rest * setup.devices_per_node,
-                   params=states.device_params, opt_state=states.device_opt, compute_copy=states.compute_copy,
+                   disk_per_device=states.disk_at_rest, disk_per_node=states.disk_at_rest * setup.devices_per_node,
+                   host_buffers=buffers, params=states.device_params, opt_state=states.device_opt,
+                   compute_copy=states.compute_copy, pending_grads=states.pending_grads,
                    grad_buffer=states.grad_buffer, peak=None, peak_with_host=None, refused=None)
         if train is not None:
             batch = train["micro_batch"] * train["accum"] * (train["seq"] + 1) * 4  # int32 tokens
@@ -405,15 +486,25 @@ def estimate(spec: ModelSpec, setup: Setup, nodes: int = 1, *, zero_init: bool =
 
 SOURCES = {
     "deepspeed_gpu": "DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (stages 2 and 3 only): gpu_mem, "
-                     "per GPU, model states with gradients and (stage 3) one gathered largest layer",
-    "deepspeed_cpu_per_node": "the same functions' cpu_mem, per node",
-    "device_at_rest": "zeroflax's placement: parameters + optimizer state (+ compute copy under offload) in device "
-                      "memory, per device, between steps",
+                     "per GPU, model states with gradients and (stage 3) one gathered largest layer; none for the "
+                     "'nvme' rows (DeepSpeed's estimators have no NVMe offload)",
+    "deepspeed_cpu_per_node": "the same functions' cpu_mem, per node; none for the 'nvme' rows",
+    "device_at_rest": "zeroflax's placement: parameters + optimizer state (+ compute copy under offload; + the "
+                      "reduced fp32 gradient shard the 'nvme' update streams after the step) in device memory, per "
+                      "device, between steps",
     "device_with_grads": "device_at_rest + the gradient buffer (fp32; full at stages 0-1, a shard at 2-3)",
-    "host_per_device": "zeroflax's placement under offload: master weights + optimizer state in host memory, per device",
+    "host_per_device": "zeroflax's placement under offload: master weights + optimizer state in host memory, per "
+                       "device (0 for 'nvme' rows: they are on disk)",
     "host_per_node": "host_per_device x devices per node",
+    "disk_per_device": "'nvme' rows (OffloadOptimizerConfig.device 'nvme'): master weights + optimizer state in the "
+                       "file, true elements (no padding), per device; a leaf below the persistence threshold whole. "
+                       "Read once and written once per step",
+    "disk_per_node": "disk_per_device x devices per node",
+    "host_buffers": "'nvme' rows: the stream's host buffers per process, buffer_count x min(buffer_size, the "
+                    "largest leaf shard) x (4 + K) bytes (OffloadOptimizerConfig of the gin config, else defaults)",
     "arguments": "gin configs: what compiled.memory_analysis().argument_size_in_bytes counts (device + host states, "
-                 "this device's batch rows); on the CPU backend host memory is device memory",
+                 "this device's batch rows, an 'nvme' row's pending gradient shard included); on the CPU backend "
+                 "host memory is device memory",
     "peak": "gin configs (GPT): arguments + gradient buffer + activations + gathered layers + update temporaries, "
             "an analytic model of memory_analysis' argument + output + temp - alias",
 }

@@ -1,6 +1,7 @@
 """`zeroflax estimate`: its flags, and the table it prints of `estimate.estimate`'s rows (DeepSpeed's
-estimator beside zeroflax's placement) for a bare parameter count or the GPT of the gin files. Its --help
-is estimate.py's docstring.
+estimator beside zeroflax's placement) for a bare parameter count or the GPT of the gin files, and below it
+the NVMe rows' disk and host buffers (a table of their own, so that the main one's columns stay as they
+were). Its --help is estimate.py's docstring.
 """
 from __future__ import annotations
 
@@ -41,6 +42,16 @@ def format_table(result: dict, unit: str = "auto") -> str:
         lines.append(f"{r['stage']:<7}{r['offload']:<17}| {show(r['deepspeed_gpu'])} {show(r['deepspeed_cpu_per_node'])} | "
                      f"{show(r['device_at_rest'])} {show(r['device_with_grads'])} {peak} {show(r.get('device_arguments'))} | "
                      f"{show(r['host_per_device'])} {show(r['host_per_node'])}")
+    nvme = [r for r in rows if r["offload"] == "nvme"]
+    if nvme:
+        lines += ["",
+                  f"{'NVMe (offload_optimizer nvme)':<30}| {'disk':^21} | {'host buffers':>12} | {'disk I/O per step':>17}",
+                  f"{'stage  offload':<30}| {'per dev':>10}{'per node':>11} | {'per process':>12} | "
+                  f"{'per dev, each way':>17}   ({unit})"]
+        for r in nvme:
+            refused = "   refused: " + r["refused"] if r.get("refused") else ""
+            lines.append(f"{r['stage']:<7}{r['offload']:<23}| {show(r['disk_per_device'])} {show(r['disk_per_node'])} | "
+                         f"{show(r['host_buffers']):>12} | {show(r['disk_per_device']):>17}{refused}")
     lines += ["",
               "DeepSpeed: its estimate_zero2/zero3_model_states_mem_needs formulas (stages 2 and 3 only; zero_init="
               f"{result['zero_init']}, additional_buffer_factor={result['buffer_factor']}): GPU = model states with "
@@ -48,6 +59,11 @@ def format_table(result: dict, unit: str = "auto") -> str:
               "zeroflax: its sharding policy leaf by leaf. at rest = parameters + optimizer state (+ compute copy "
               "under offload) in device memory; + grads = with the fp32 gradient buffer (the quantity DeepSpeed's GPU "
               "column describes); host = master weights + optimizer state in host memory under offload.",
+              "nvme (ZeRO-Infinity; DeepSpeed's estimators have no such row): master weights + optimizer state on "
+              "disk, true elements (4 + K bytes each; a leaf below the persistence threshold whole per device), read "
+              "and written once per step; the device holds the compute copy and the reduced fp32 gradient shard; "
+              "host memory only the stream's buffers (buffer_count x min(buffer_size, largest leaf shard) x (4 + K) "
+              "bytes per process).",
               "arguments (gin configs) = device states + this device's batch rows: the step's arguments in device "
               "memory. With the host states added ('arguments' in --json) it is what XLA:CPU's "
               "compiled.memory_analysis().argument_size_in_bytes counts (tests/test_estimate.py: within 0.1%).",

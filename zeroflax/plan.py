@@ -3,14 +3,17 @@
     zeroflax plan --devices 8 --device-memory 16MiB --gin_file experiments/gpt_tiny_zero3.gin --out plan.gin
 
 The search space: ZeRO stage 0-3, offload (none; the optimizer on the CPU at stages 1-3; and the
-parameters too at stage 3), the remat policy (`Config.remat`), micro-batch size x accumulation steps for
+parameters too at stage 3; on request, 'nvme': the optimizer's state on disk under --nvme-path at stages
+1-3, ZeRO-Infinity), the remat policy (`Config.remat`), micro-batch size x accumulation steps for
 the fixed global batch, and the tensor size of the mesh (the data axis takes the rest); pipe sizes on
 request (--pipe; docs/plan.md says why not by default). Every candidate is first judged analytically
 (no compile):
 
   - invalid: the engine refuses it (a `ConfigError`, e.g. a tensor size that does not divide the heads);
   - pruned, memory: rules that cannot reject a candidate that would fit (docs/plan.md):
-      host states (`estimate.zeroflax_states`, exact) x devices > --host-memory;
+      host states (`estimate.zeroflax_states`, exact) x devices, plus an 'nvme' candidate's stream buffers,
+        > --host-memory;
+      disk states ('nvme': `estimate.zeroflax_states`, exact) x devices > --disk-memory;
       the step's device arguments (states at rest + batch rows, exact) > --device-memory: the compiled
         peak is at least its arguments;
       the modeled peak (`estimate.gpt_peak`; not for pipelines) > --device-memory x
@@ -42,7 +45,12 @@ from zeroflax.config import ConfigError
 # over-estimate measured against memory_analysis is +16% on the main job's GPT (49 configurations) and +28%
 # on the tests' 2-layer GPT (docs/plan.md, tests/test_estimate.py).
 PEAK_MARGIN = 0.4
+# The offload modes searched by default; 'nvme' (the state on disk) is searched on request only, since it
+# needs a directory (--nvme-path) and a disk rate to mean anything.
 OFFLOADS = ("none", "optimizer", "optimizer+param")
+OFFLOAD_MODES = OFFLOADS + ("nvme",)
+
+
 @dataclasses.dataclass
 class Candidate:
     pipe: int
@@ -63,6 +71,9 @@ class Candidate:
     device_peak: float | None = None  # compiled: argument + output + temp - alias, less host states
     compile_s: float = 0.0
     sequence: int = 1  # the sequence axis (long sequences: docs/parallelism.md); data x sequence is ZeRO's N
+    nvme_path: str = ""  # offload 'nvme': the state's directory (--nvme-path)
+    disk: float = 0.0  # analytic: 'nvme' disk states per device (true elements)
+    host_buffers: float = 0.0  # analytic: 'nvme' stream buffers per process
 
     @property
     def label(self) -> str:
@@ -80,10 +91,9 @@ class Candidate:
         axes.update(data=self.data, tensor=self.tensor)
         if self.sequence > 1:
             axes[SEQUENCE_AXIS] = self.sequence
-        return row_config(base, self.stage, self.offload, mesh=MeshConfig(axes), remat=self.remat,
-                          micro_batch_size=self.micro_batch, grad_accum_steps=self.accum,
+        return row_config(base, self.stage, self.offload, nvme_path=self.nvme_path or None, mesh=MeshConfig(axes),
+                          remat=self.remat, micro_batch_size=self.micro_batch, grad_accum_steps=self.accum,
                           train_batch_size=self.micro_batch * self.accum * self.data)
-
 
 
 @dataclasses.dataclass
@@ -96,6 +106,7 @@ class Space:
     tensor: tuple | None = None
     pipe: tuple | None = (1,)  # pipelines only on request (--pipe): see docs/plan.md
     sequence: tuple | None = (1,)  # sequence axes only on request (--sequence); None: every divisor
+    nvme_path: str = ""  # the directory of 'nvme' candidates (nothing is written there while planning)
 
 
 def _divisors(n: int) -> list[int]:
@@ -118,10 +129,10 @@ def enumerate_candidates(base, gpt, devices: int, global_batch: int, space: Spac
         per_rank = global_batch // data
         micros = [m for m in (space.micro_batches or _divisors(per_rank)) if per_rank % m == 0]
         for stage, offload, remat, micro in itertools.product(space.stages, space.offloads, remats, micros):
-            if (offload == "optimizer" and stage == 0) or (offload == "optimizer+param" and stage != 3):
+            if (offload in ("optimizer", "nvme") and stage == 0) or (offload == "optimizer+param" and stage != 3):
                 continue  # not configurations at all (Config refuses them): not listed
             out.append(Candidate(pipe, tensor, data, stage, offload, remat, micro, per_rank // micro,
-                                 sequence=sequence))
+                                 sequence=sequence, nvme_path=space.nvme_path if offload == "nvme" else ""))
     return out
 
 
@@ -137,6 +148,7 @@ class PlanResult:
     compiles: int
     global_batch: int
     devices: int
+    disk_budget: float | None = None
 
     def to_dict(self) -> dict:
         def row(c: Candidate):
@@ -146,7 +158,8 @@ class PlanResult:
             out["measured"] = dataclasses.asdict(c.measured) if c.measured else None
             out["predicted_s"] = c.seconds(self.rates) if (c.bound or c.measured) else None
             return out
-        return dict(budget=self.budget, host_budget=self.host_budget, rates=dataclasses.asdict(self.rates),
+        return dict(budget=self.budget, host_budget=self.host_budget, disk_budget=self.disk_budget,
+                    rates=dataclasses.asdict(self.rates),
                     tie=self.tie, seconds=self.seconds, compiles=self.compiles, global_batch=self.global_batch,
                     devices=self.devices, winner=row(self.winner) if self.winner else None,
                     candidates=[row(c) for c in self.candidates])
@@ -180,9 +193,9 @@ class Planner:
     def analyse(self, c: Candidate, global_batch: int) -> None:
         """Fill in the analytic figures, or mark the candidate invalid."""
         from zeroflax.cost import gpt_bound
-        from zeroflax.estimate import gpt_peak, zeroflax_states
+        from zeroflax.estimate import gpt_peak, host_buffer_bytes, zeroflax_states
         try:
-            c.config(self.base)  # the Config's own checks
+            config = c.config(self.base)  # the Config's own checks
             setup = self.setup(c)
             states = zeroflax_states(self.spec, setup, c.stage, c.offload)
             if c.pipe > 1 and (self.gpt.num_layers % (c.pipe * self.base.pipeline_virtual_stages)):
@@ -194,6 +207,10 @@ class Planner:
         batch = c.micro_batch * c.accum * (self.seq + 1) * 4
         c.arguments = states.device_at_rest + batch
         c.host = states.host_at_rest
+        c.disk = states.disk_at_rest
+        if c.offload == "nvme":
+            stream = config.offload_optimizer
+            c.host_buffers = host_buffer_bytes(self.spec, setup, stream.buffer_count, stream.buffer_size)
         train = dict(micro_batch=c.micro_batch, accum=c.accum, seq=self.seq, remat=c.remat)
         peak = gpt_peak(self.spec, setup, states, train)
         c.peak_model = None if peak is None else peak - states.host_at_rest
@@ -220,7 +237,9 @@ class Planner:
         stats = compiled.memory_analysis()
         peak = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
         # The states in host memory (their memory kinds): on XLA:CPU memory_analysis counts them with the
-        # device's arguments (host memory is device memory there), so they are taken out.
+        # device's arguments (host memory is device memory there), so they are taken out. Under 'nvme' there
+        # are none (params and opt_state are None: no leaves, 0 bytes) and pending_grads is in device memory,
+        # so all of it stays in the device's peak.
         host = sum(split_bytes(getattr(state, f), getattr(engine.state_shardings, f))[1]
                    for f in ("params", "opt_state", "pending_grads"))
         c.device_peak = peak - host
@@ -252,7 +271,8 @@ def abstract_gpt_engine(gpt, config, optimizer, seq_len: int, global_batch: int 
 
 
 def search(planner: Planner, space: Space, budget: float, rates, *, host_budget: float | None = None,
-           global_batch: int, tie: float = 0.0, progress: bool = False, max_compiles: int | None = None) -> PlanResult:
+           global_batch: int, tie: float = 0.0, progress: bool = False, max_compiles: int | None = None,
+           disk_budget: float | None = None) -> PlanResult:
     """The search of the module docstring."""
     started = time.perf_counter()
     candidates = enumerate_candidates(planner.base, planner.gpt, planner.devices, global_batch, space)
@@ -263,9 +283,13 @@ def search(planner: Planner, space: Space, budget: float, rates, *, host_budget:
         planner.analyse(c, global_batch)
         if c.status == "invalid":
             continue
-        if host_budget is not None and c.host * planner.devices > host_budget:
-            c.status, c.reason = "pruned", (f"memory: host states {format_bytes(c.host * planner.devices)} > "
-                                             f"--host-memory {format_bytes(host_budget)}")
+        if host_budget is not None and c.host * planner.devices + c.host_buffers > host_budget:
+            what = "host states" if not c.host_buffers else "host stream buffers"
+            c.status, c.reason = "pruned", (f"memory: {what} {format_bytes(c.host * planner.devices + c.host_buffers)}"
+                                             f" > --host-memory {format_bytes(host_budget)}")
+        elif disk_budget is not None and c.disk * planner.devices > disk_budget:
+            c.status, c.reason = "pruned", (f"memory: disk states {format_bytes(c.disk * planner.devices)} > "
+                                             f"--disk-memory {format_bytes(disk_budget)}")
         elif c.arguments > budget:
             c.status, c.reason = "pruned", f"memory: arguments {format_bytes(c.arguments)} > budget (peak >= arguments)"
         elif c.peak_model is not None and c.peak_model > budget * (1 + PEAK_MARGIN):
@@ -305,7 +329,7 @@ def search(planner: Planner, space: Space, budget: float, rates, *, host_budget:
     if bar is not None:
         bar.close()
     return PlanResult(candidates, best, budget, host_budget, rates, tie, time.perf_counter() - started, compiles,
-                      global_batch, planner.devices)
+                      global_batch, planner.devices, disk_budget)
 
 
 def _first_line(error: Exception) -> str:
@@ -346,11 +370,13 @@ def format_table(result: PlanResult, only: str = "all") -> str:
     else:
         w = result.winner
         parts = w.measured.parts(rates)
+        disk = f" + disk {parts['disk_s'] * 1e3:.4f}" if w.measured.disk else ""  # 'nvme' only
+        disk_bytes = f"{w.measured.disk:,.0f} disk bytes, " if w.measured.disk else ""
         lines.append(f"winner: {w.label}: compiled peak {format_bytes(w.device_peak)} <= {format_bytes(result.budget)}; predicted "
                      f"{w.seconds(rates) * 1e3:.4f} ms/step = comm {parts['comm_s'] * 1e3:.4f} + host "
-                     f"{parts['host_s'] * 1e3:.4f} + compute {parts['compute_s'] * 1e3:.4f} + bubble "
+                     f"{parts['host_s'] * 1e3:.4f}{disk} + compute {parts['compute_s'] * 1e3:.4f} + bubble "
                      f"{parts['bubble_s'] * 1e3:.4f} ms ({w.measured.comm:,.0f} collective bytes, "
-                     f"{w.measured.host:,.0f} host bytes, {w.measured.flops:,.0f} FLOPs per device, compiled)")
+                     f"{w.measured.host:,.0f} host bytes, {disk_bytes}{w.measured.flops:,.0f} FLOPs per device, compiled)")
     return "\n".join(lines)
 
 
@@ -375,7 +401,14 @@ def gin_text(result: PlanResult, base, gin_files, gin_params, command: str) -> s
               f"Config.train_batch_size = {config.train_batch_size}",
               "Config.offload_optimizer = @OffloadOptimizerConfig()",
               f"OffloadOptimizerConfig.device = '{opt.device}'", f"OffloadOptimizerConfig.pin_memory = {opt.pin_memory}",
-              f"OffloadOptimizerConfig.update = '{opt.update}'",
+              # Always bound: an included gin file's nvme_path would otherwise make a 'cpu' winner invalid.
+              f"OffloadOptimizerConfig.nvme_path = {opt.nvme_path!r}"]
+    if opt.on_disk:
+        lines += [f"OffloadOptimizerConfig.buffer_count = {opt.buffer_count}",
+                  f"OffloadOptimizerConfig.buffer_size = {opt.buffer_size}",
+                  f"OffloadOptimizerConfig.io_threads = {opt.io_threads}",
+                  f"OffloadOptimizerConfig.direct_io = {opt.direct_io}"]
+    lines += [f"OffloadOptimizerConfig.update = '{opt.update}'",
               f"OffloadOptimizerConfig.delayed_update = {opt.delayed_update}",
               f"OffloadOptimizerConfig.delayed_update_start = {opt.delayed_update_start}",
               "Config.offload_param = @OffloadParamConfig()",

@@ -14,7 +14,7 @@ from zeroflax.axes import DATA_AXIS
 from zeroflax import plan
 from zeroflax.command_flags import add_gin_flags, force_cpu_devices, int_list, parse_gin
 from zeroflax.config import ConfigError
-from zeroflax.cost import Rates
+from zeroflax.cost import DISK_BANDWIDTH, Rates
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -39,12 +39,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--devices", type=int, default=8, help="devices (simulated CPU devices here; default 8)")
     p.add_argument("--device-memory", required=True, help="per-device budget, e.g. 80GB, 80GiB, 16MiB")
     p.add_argument("--host-memory", default=None, help="host memory budget (one host), e.g. 512GB")
+    p.add_argument("--disk-memory", default=None, help="disk budget for 'nvme' candidates' state files (one host), "
+                   "e.g. 2TB")
     p.add_argument("--bandwidth", type=float, default=100e9, help="collective bytes/s per device (default 100e9)")
     p.add_argument("--host-bandwidth", type=float, default=25e9, help="host<->device bytes/s (default 25e9)")
     p.add_argument("--flops", type=float, default=400e12, help="FLOP/s per device (default 400e12)")
+    p.add_argument("--disk-bandwidth", type=float, default=DISK_BANDWIDTH,
+                   help=f"'nvme': the state file's bytes read + written per second per device (default "
+                        f"{DISK_BANDWIDTH:g}, one NVMe SSD's sequential rate)")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to search (default 0,1,2,3)")
     p.add_argument("--offload", default=",".join(plan.OFFLOADS),
-                   help=f"offload modes (default {','.join(plan.OFFLOADS)})")
+                   help=f"offload modes, of {','.join(plan.OFFLOAD_MODES)} (default {','.join(plan.OFFLOADS)}; "
+                        "'nvme' needs --nvme-path)")
+    p.add_argument("--nvme-path", default=None, help="the state's directory for 'nvme' candidates (written into "
+                   "the winner's gin file; planning writes nothing there). Default: the gin config's "
+                   "OffloadOptimizerConfig.nvme_path")
     p.add_argument("--remat", default=None, help="remat policies (default: all of Config.remat's)")
     p.add_argument("--micro-batches", default=None, help="micro-batch sizes (default: every divisor)")
     p.add_argument("--tensor", default=None, help="tensor sizes (default: divisors of devices and heads)")
@@ -67,8 +76,8 @@ def space_from_args(args) -> plan.Space:
     if not set(stages) <= {0, 1, 2, 3}:
         raise ConfigError("--stages", f"ZeRO stages are 0-3, got {args.stages!r}")
     offloads = tuple(v.strip() for v in args.offload.split(",") if v.strip())
-    if not offloads or not set(offloads) <= set(plan.OFFLOADS):
-        raise ConfigError("--offload", f"must list some of {', '.join(plan.OFFLOADS)}, got {args.offload!r}")
+    if not offloads or not set(offloads) <= set(plan.OFFLOAD_MODES):
+        raise ConfigError("--offload", f"must list some of {', '.join(plan.OFFLOAD_MODES)}, got {args.offload!r}")
     remats = None
     if args.remat:
         remats = tuple(v.strip() for v in args.remat.split(",") if v.strip())
@@ -81,7 +90,7 @@ def space_from_args(args) -> plan.Space:
         lists[key] = tuple(int_list(text, flag)) if text else None
         if lists[key] and min(lists[key]) < 1:
             raise ConfigError(flag, f"sizes must be >= 1, got {text!r}")
-    return plan.Space(tuple(stages), offloads, remats, **lists)
+    return plan.Space(tuple(stages), offloads, remats, **lists, nvme_path=args.nvme_path or "")
 
 
 def global_batch_of(config, devices: int) -> int:
@@ -96,11 +105,12 @@ def cmd_plan(args) -> int:
     if args.devices < 1:
         raise ConfigError("--devices", f"must be >= 1, got {args.devices}")
     for flag, value in (("--bandwidth", args.bandwidth), ("--host-bandwidth", args.host_bandwidth),
-                        ("--flops", args.flops), ("--tie", args.tie + 1)):
+                        ("--flops", args.flops), ("--disk-bandwidth", args.disk_bandwidth), ("--tie", args.tie + 1)):
         if not value > 0:
             raise ConfigError(flag, f"must be positive, got {value!r}")
     budget = parse_bytes(args.device_memory, "--device-memory")
     host_budget = parse_bytes(args.host_memory, "--host-memory") if args.host_memory else None
+    disk_budget = parse_bytes(args.disk_memory, "--disk-memory") if args.disk_memory else None
     space = space_from_args(args)
     force_cpu_devices(args.devices)
     parse_gin(args.gin_file, args.gin_param)
@@ -109,15 +119,26 @@ def cmd_plan(args) -> int:
     from zeroflax.train import TrainConfig
 
     base, gpt, tc = Config(), GPTConfig(), TrainConfig()
+    if "nvme" in space.offloads:
+        # The path goes into the winner's gin file, so a placeholder would write a job that trains nowhere.
+        space.nvme_path = space.nvme_path or base.offload_optimizer.nvme_path
+        if not space.nvme_path:
+            raise ConfigError("--nvme-path", "--offload lists 'nvme', whose candidates keep their state in a file, "
+                              "but no directory is given", "pass --nvme-path /local_nvme/zeroflax (nothing is "
+                              "written there while planning), or bind OffloadOptimizerConfig.nvme_path in the gin config")
     global_batch = global_batch_of(base, args.devices)
     planner = plan.Planner(gpt, base, tc, args.devices)
-    rates = Rates(args.bandwidth, args.host_bandwidth, args.flops)
+    rates = Rates(args.bandwidth, args.host_bandwidth, args.flops, args.disk_bandwidth)
     result = plan.search(planner, space, budget, rates, host_budget=host_budget, global_batch=global_batch,
-                         tie=args.tie, progress=not args.no_progress, max_compiles=args.max_compiles)
+                         tie=args.tie, progress=not args.no_progress, max_compiles=args.max_compiles,
+                         disk_budget=disk_budget)
+    nvme = "nvme" in space.offloads
     print(f"zeroflax plan: GPT ({planner.spec.num_params:,} parameters), global batch {global_batch} x "
           f"{tc.seq_len} tokens, {args.devices} devices, budget {plan.format_bytes(budget)} per device"
           + (f", host {plan.format_bytes(host_budget)}" if host_budget else "")
-          + f"; rates: {args.bandwidth:.3g} B/s collectives, {args.host_bandwidth:.3g} B/s host, {args.flops:.3g} FLOP/s")
+          + (f", disk {plan.format_bytes(disk_budget)}" if disk_budget else "")
+          + f"; rates: {args.bandwidth:.3g} B/s collectives, {args.host_bandwidth:.3g} B/s host, "
+          + (f"{args.disk_bandwidth:.3g} B/s disk, " if nvme else "") + f"{args.flops:.3g} FLOP/s")
     print("bound: analytic lower bound of the step time; compiled: from the compiled program; args: device "
           "arguments at rest (analytic); peak model: estimate.gpt_peak; compiled: memory_analysis peak less host states")
     print(plan.format_table(result, args.show))
