@@ -137,7 +137,10 @@ class Engine:
             self._jit_steps[phase] = jax.jit(
                 functools.partial(self._train_step, phase=phase),
                 in_shardings=(self.state_shardings, self.plan.batch(batch)),
-                out_shardings=(self.state_shardings, self.plan.replicated), donate_argnums=(0,))
+                out_shardings=(self.state_shardings, self.plan.replicated), donate_argnums=(0,),
+                # The state is donated whole, a field the step only writes too (the NVMe update's pending
+                # gradients): pruned as unused, its old buffer would stay alive beside the new one.
+                keep_unused=True)
         return self._jit_steps[phase]
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
