@@ -178,16 +178,12 @@ def test_disk_memory_prunes_nvme_candidates(tmp_path):
         assert "> --disk-memory" in c["reason"] and c["disk"] == pytest.approx(12 * 34_432 / 8, abs=16)
 
 
-def test_a_plan_with_nvme_compiles_without_a_file(tmp_path, monkeypatch):
+def test_a_plan_with_nvme_compiles_without_a_file(tmp_path):
     """--offload none,nvme at stage 3, with a budget between the two compiled peaks (none 413 KiB, nvme 383
     KiB: the compute copy takes the master weights' place and the Adam state is on disk): the 'none'
     candidate is cheaper by the bound, compiles over the budget, and the 'nvme' one wins. Its disk and
     host bytes (after the program) are the bound's; the winner's gin file names the path, where nothing
     was written."""
-    from zeroflax.step import build
-    # Each NVMe engine first proves its optimizer elementwise against a whole update (about 8 s here; the
-    # train job's adamw is, tests/test_nvme.py): left out, as only the plan's handling is tested here.
-    monkeypatch.setattr(build, "check_elementwise", lambda *args: None)
     nvme, out = tmp_path / "nvme", tmp_path / "plan.gin"
     code, result = _plan(tmp_path, "--device-memory", "398KiB", "--stages", "3", "--offload", "none,nvme",
                          "--nvme-path", str(nvme), "--out", str(out))

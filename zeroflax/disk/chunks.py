@@ -20,8 +20,8 @@ import math
 
 import jax
 import numpy as np
-import optax
 
+from zeroflax.optim.chunked import param_slots
 from zeroflax.sharding.padding import stored_shape
 
 PART_ALIGN = 64
@@ -55,21 +55,6 @@ class ChunkLayout:
     @property
     def largest(self) -> int:
         return max((c.nbytes for c in self.chunks), default=0)
-
-
-def param_slots(optimizer: optax.GradientTransformation, abstract_params, abstract_opt_state):
-    """(per parameter leaf the indices of its parameter-shaped optimizer state leaves, the indices of the
-    others). Found by position with `optax.tree_map_params`, as the shardings are. A slot whose shape is not
-    its parameter's (a factored moment) is returned too: the caller refuses it."""
-    leaves = jax.tree.leaves(abstract_params)
-    index_tree = jax.tree.unflatten(jax.tree.structure(abstract_params), list(range(len(leaves))))
-    owner = optax.tree_map_params(optimizer, lambda _, i: i, abstract_opt_state, index_tree,
-                                  transform_non_params=lambda _: -1)
-    owners = jax.tree.leaves(owner)
-    if len(owners) != len(jax.tree.leaves(abstract_opt_state)):
-        raise ValueError("the optimizer state's leaves could not be matched to the parameters")
-    slots = tuple(tuple(j for j, o in enumerate(owners) if o == i) for i in range(len(leaves)))
-    return slots, tuple(j for j, o in enumerate(owners) if o == -1)
 
 
 def _aligned(n: int, to: int) -> int:

@@ -11,6 +11,7 @@ import optax
 
 from zeroflax.config import Config, ConfigError
 from zeroflax.optim import onebit
+from zeroflax.optim.chunked import check_elementwise
 from zeroflax.optim.onebit_lamb import OneBitLamb, OneBitLambState
 from zeroflax.optim.zero_one_adam import ZeroOneAdam, ZeroOneAdamState
 from zeroflax.pipeline.layout import check_pipeline, interleaved_layer_order
@@ -28,7 +29,7 @@ from zeroflax.step.phases import PhaseClock
 from zeroflax.step.pipelined import Pipelined
 from zeroflax.step.zero_one_sync import ZeroOneSync
 from zeroflax.step.scaler import LossScaler
-from zeroflax.step.streamed_update import StreamedUpdate, check_elementwise
+from zeroflax.step.streamed_update import StreamedUpdate
 from zeroflax.step.state import TrainState
 from zeroflax.step.zero_sync import ZeroGradSync
 

@@ -14,7 +14,7 @@ device) and their norm; it never sees the master weights. Then, on the host (`fi
      goes to its devices' copy of the parameters, in place.
 
 This equals the update over the whole tree for an optimizer that acts on each element alone, which is
-checked when the engine is built (`check_elementwise`): a trust ratio (LAMB), a factored moment
+checked when the engine is built (`zeroflax/optim/chunked.py: check_elementwise`): a trust ratio (LAMB), a factored moment
 (Adafactor) or a global-norm clip inside the optimizer are refused with the key to change. The host
 holds the buffers, one chunk's update and the optimizer's shared leaves (its step counts), whatever the
 model's size. docs/offload.md, "NVMe".
@@ -28,115 +28,15 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from zeroflax.config import ConfigError
-from zeroflax.disk.chunks import ChunkLayout, chunk_layout, param_slots, views
+from zeroflax.disk.chunks import ChunkLayout, chunk_layout, views
 from zeroflax.disk.store import StateStore
+from zeroflax.optim.chunked import chunk_init, chunk_update
 from zeroflax.optim.clipping import global_norm
 from zeroflax.sharding.padding import fit, stored_shape, to_true
 from zeroflax.step.offloaded_update import OffloadedUpdate, on_device
 from zeroflax.step.parts import Updated
 from zeroflax.step.phases import STEADY
-
-
-def _empty(x):
-    """An empty array of `x`'s rank and dtype: a leaf the chunk's update does not touch."""
-    return jnp.zeros((0,) * len(x.shape), x.dtype)
-
-
-def chunk_update(optimizer, abstract_params, abstract_opt, slots, shared, leaf: int, grad_clip: float, compute_dtype):
-    """The update of one chunk of parameter leaf `leaf`: (master, its slots, shared, grad, norm) -> (master,
-    slots, shared, compute copy). Every other leaf of the parameters, gradients and optimizer state is an
-    empty array of its rank, so the optimizer sees its own tree."""
-    p_leaves, p_def = jax.tree.leaves(abstract_params), jax.tree.structure(abstract_params)
-    o_leaves, o_def = jax.tree.leaves(abstract_opt), jax.tree.structure(abstract_opt)
-
-    def update(master, slot_values, shared_values, grad, norm):
-        if grad_clip > 0:  # as optim/clipping.py clip_to scales the whole tree
-            factor = jnp.where(norm < grad_clip, 1.0, grad_clip / norm)
-            grad = (grad * factor).astype(grad.dtype)
-        params = [master if i == leaf else _empty(x) for i, x in enumerate(p_leaves)]
-        grads = [grad if i == leaf else _empty(x) for i, x in enumerate(p_leaves)]
-        state = [_empty(x) for x in o_leaves]
-        for j, v in zip(slots[leaf], slot_values):
-            state[j] = v
-        for j, v in zip(shared, shared_values):
-            state[j] = v
-        params, state = jax.tree.unflatten(p_def, params), jax.tree.unflatten(o_def, state)
-        updates, new_state = optimizer.update(jax.tree.unflatten(p_def, grads), state, params)
-        new = optax.apply_updates(params, updates)
-        new_master = jax.tree.leaves(new)[leaf]
-        new_state = jax.tree.leaves(new_state)
-        copy = new_master.astype(compute_dtype) if jnp.issubdtype(new_master.dtype, jnp.floating) else new_master
-        return new_master, tuple(new_state[j] for j in slots[leaf]), tuple(new_state[j] for j in shared), copy
-
-    return update
-
-
-def chunk_init(optimizer, abstract_params, abstract_opt, slots, shared, leaf: int):
-    """The optimizer's initial slots of one chunk of leaf `leaf` (and its shared leaves), from its master."""
-    p_leaves, p_def = jax.tree.leaves(abstract_params), jax.tree.structure(abstract_params)
-
-    def init(master):
-        params = jax.tree.unflatten(p_def, [master if i == leaf else _empty(x) for i, x in enumerate(p_leaves)])
-        state = jax.tree.leaves(optimizer.init(params))
-        return tuple(state[j] for j in slots[leaf]), tuple(state[j] for j in shared)
-
-    return init
-
-
-def check_elementwise(optimizer, abstract_params, abstract_opt, grad_clip: float) -> None:
-    """ConfigError unless updating chunk by chunk equals updating the whole tree for `optimizer`: two steps on
-    small random parameters of the same tree (each dimension at most 3), the whole tree against its two halves
-    (every leaf's first row, and the rest) each updated alone, on the host CPU. A transformation that looks
-    across elements (a norm, a trust ratio, a factored moment) sees different numbers in a half."""
-    slots, _ = param_slots(optimizer, abstract_params, abstract_opt)
-    fix = ("use an optimizer that acts on each element alone (adam, adamw, sgd, lion; Config.grad_clip clips), or "
-           "OffloadOptimizerConfig.device='cpu'")
-    for i, x in enumerate(jax.tree.leaves(abstract_params)):
-        for j in slots[i]:
-            if tuple(jax.tree.leaves(abstract_opt)[j].shape) != tuple(x.shape):
-                raise ConfigError("OffloadOptimizerConfig.device", "'nvme' updates the state chunk by chunk, but this "
-                                  "optimizer keeps a state of another shape than its parameter (a factored moment)", fix)
-    small = jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(min(n, 3) for n in x.shape), x.dtype), abstract_params)
-    cut = lambda x: x.ndim > 0 and x.shape[0] > 1  # a leaf with rows to split (the others go whole into the first half)
-
-    def probe(key):
-        leaves, treedef = jax.tree.flatten(small)
-        keys = jax.random.split(key, 3 * len(leaves))
-        normal = lambda k, x, scale: (scale * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
-        params = [normal(k, x, 1.0) for k, x in zip(keys[::3], leaves)]
-        # Two steps of gradients of different sizes, so that a clip or a normalisation inside the optimizer
-        # scales them differently for a half than for the whole.
-        steps = [[normal(k, x, 100.0) for k, x in zip(keys[1::3], leaves)],
-                 [normal(k, x, 0.3) for k, x in zip(keys[2::3], leaves)]]
-        halves = [lambda x: x[:1] if cut(x) else x, lambda x: x[1:] if cut(x) else x[:0] if x.ndim else x]
-
-        def run(pick):
-            p = jax.tree.unflatten(treedef, [pick(x) for x in params])
-            state = optimizer.init(p)
-            for grads in steps:
-                whole = jax.tree.unflatten(treedef, grads)
-                g = jax.tree.unflatten(treedef, [pick(x) for x in grads])
-                if grad_clip > 0:  # the engine clips by the whole tree's norm, before the optimizer
-                    norm = global_norm(whole)
-                    g = jax.tree.map(lambda a: (a * jnp.where(norm < grad_clip, 1.0, grad_clip / norm)).astype(a.dtype), g)
-                u, state = optimizer.update(g, state, p)
-                p = optax.apply_updates(p, u)
-            return jax.tree.leaves(p)
-
-        whole, first, rest = run(lambda x: x), run(halves[0]), run(halves[1])
-        joined = [jnp.concatenate([a, b]) if cut(x) else a for a, b, x in zip(first, rest, params)]
-        return whole, joined
-
-    with jax.default_device(jax.devices("cpu")[0]):
-        whole, joined = jax.jit(probe)(jax.random.PRNGKey(0))
-    close = lambda a, b: np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-6)
-    if not all(close(a, b) for a, b in zip(whole, joined)):
-        raise ConfigError("OffloadOptimizerConfig.device", "'nvme' updates the state chunk by chunk, and this "
-                          "optimizer's update of a chunk differs from its update of the whole (a trust ratio as LAMB's, "
-                          "or a global-norm clip inside the optimizer)", fix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,25 +175,33 @@ class StreamedUpdate(OffloadedUpdate):
         return np.asarray(shard.data[(rows,) + tuple(slice(0, n) for n in chunk.box[1:])])
 
     def read_master(self):
-        """The master weights, read from the file into host arrays of their stored shapes (zeros in the
-        padding), placed as the plan's master weights; what `Engine.model_params` and exports read."""
+        """The master weights read from this process's file, as global arrays laid out as the plan's master
+        weights on the device (each device's shard assembled from its chunks, zeros in the padding); what
+        `Engine.model_params` and exports read. Every process of a run reads its own file."""
         store, leaves = self.store, jax.tree.leaves(self.plan.abstract_params)
-        store.step()
-        shardings = jax.tree.leaves(self.plan.params)
-        stored = [np.zeros(self._stored_shape(x, s), x.dtype) for x, s in zip(leaves, shardings)]
+        store.step()  # refuses a mixed state
+        shardings = jax.tree.leaves(on_device(self.plan.params))
+        shards = []  # per leaf: device -> its shard (host)
+        for x, sharding in zip(leaves, shardings):
+            stored = self._stored_shape(x, sharding)
+            shards.append({d: np.zeros(tuple(len(range(*i.indices(n))) for i, n in zip(index, stored)), x.dtype)
+                           for d, index in sharding.addressable_devices_indices_map(stored).items()})
         stream = store.streamer()
         try:
             for index, buf in stream.reads(range(len(self.layout.chunks))):
                 chunk = self.layout.chunks[index]
-                where = tuple(slice(s, s + n) for s, n in zip(chunk.global_start, chunk.box))
-                stored[chunk.leaf][where] = views(chunk, buf)[-1]
+                rows = views(chunk, buf)[-1]
+                where = ((slice(chunk.shard_rows, chunk.shard_rows + chunk.box[0]),)
+                         + tuple(slice(0, n) for n in chunk.box[1:])) if chunk.box else ()
+                for device in chunk.devices:
+                    shards[chunk.leaf][device][where] = rows
                 stream.release(buf)
         finally:
             stream.close()
-        if jax.process_count() > 1:
-            raise NotImplementedError("reading the NVMe master weights of a run of several processes")
-        tree = jax.tree.unflatten(jax.tree.structure(self.plan.abstract_params), stored)
-        return jax.device_put(tree, on_device(self.plan.params))
+        arrays = [jax.make_array_from_single_device_arrays(
+            self._stored_shape(x, s), s, [jax.device_put(a, d) for d, a in per_device.items()])
+            for x, s, per_device in zip(leaves, shardings, shards)]
+        return jax.tree.unflatten(jax.tree.structure(self.plan.abstract_params), arrays)
 
     @staticmethod
     def _stored_shape(x, sharding):
