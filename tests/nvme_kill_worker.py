@@ -1,4 +1,4 @@
-"""`zeroflax train` with a slow disk, for tests/test_nvme_kill.py: the test kills this process inside the window
+"""`zeroflax train` with a slow disk, for tests/test_nvme_runs.py: the test kills this process inside the window
 a slow operation opens, so that the kill lands where it means to (in the middle of a step's update, or of a
 checkpoint's snapshot) rather than wherever the clock happens to be.
 
@@ -32,7 +32,7 @@ def slow_snapshot_rename():
     rename = os.rename
 
     def slow(source, target, *args, **kwargs):
-        if str(source).endswith(".tmp") and os.path.basename(str(target)).startswith("nvme_"):
+        if str(source).endswith(".tmp") and os.path.basename(os.path.dirname(str(target))).startswith("nvme_"):
             time.sleep(2.0)
         return rename(source, target, *args, **kwargs)
 

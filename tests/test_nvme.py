@@ -1,7 +1,7 @@
 """NVMe offload (OffloadOptimizerConfig.device = 'nvme'): the master weights and optimizer state in a file,
 streamed through host buffers chunk by chunk, train as host offload does; the file moves the bytes of the
 theory; checkpoints snapshot it and restore bitwise; a crash leaves no checkpoint that restores to a
-mixed state (the kill test is slow: tests/test_nvme_kill.py).
+mixed state (the kill tests and a run of two processes are slow: tests/test_nvme_runs.py).
 
 Numerics: fp32, 5 adamw steps on 8 simulated devices, 2 micro-batches per step, clipping at 0.5, against
 the same engine with the state in host memory (tests/test_offload.py ties that to the run without

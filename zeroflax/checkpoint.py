@@ -172,7 +172,7 @@ class Checkpointer:
         if not force and not self.manager.should_save(step):
             return False
         self.wait()  # the previous save's failure is reported as that step's
-        if files is not None:
+        if files is not None and step not in self.manager.all_steps():  # (a complete one's copy is never touched)
             self._writing(step, lambda: files.snapshot(snapshot_dir(self.directory, step)))
         if view is not None:
             state = view(state)
@@ -234,7 +234,7 @@ class Checkpointer:
             items.update(params=ocp.args.StandardRestore(_abstract_with_shardings(state.params, shardings.params),
                                                          strict=False))
         if files is not None:
-            source = snapshot_dir(self.directory, step)
+            source = snapshot_dir(self.directory, step)  # the store reads its process's directory in it
             if not os.path.isdir(source):
                 raise CheckpointError(f"the checkpoint of step {step} in {self.directory} has no copy of the NVMe "
                                       f"offload's files ({source}): it was written without OffloadOptimizerConfig"

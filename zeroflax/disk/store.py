@@ -11,11 +11,12 @@ Layout of `<nvme_path>/process_<i>/`:
 A step marks the directory as updating, streams the records, writes `shared.npz` and commits the step. A
 kill in between leaves UPDATING behind, and the store refuses to be used or snapshotted until it is
 restored from a checkpoint's snapshot (`snapshot`, taken between steps, copies the three files
-atomically). docs/offload.md, "NVMe: what a crash leaves".
+atomically, into a directory of this process's own beside the other processes'). docs/offload.md, "NVMe: what a crash leaves".
 """
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 
@@ -101,20 +102,31 @@ class StateStore:
 
     # ------------------------------------------------------------------------------ checkpoints
     def snapshot(self, destination: str) -> None:
-        """The files as of the last committed step, copied atomically into `destination`."""
+        """The files as of the last committed step, copied atomically into `destination`/process_<i> (each
+        process of a run snapshots its own files beside the others')."""
         self.step()  # refuses a mixed state
         self.file.flush()
-        disk.snapshot(self.directory, destination, [STATE, SHARED], key=KEY)
+        os.makedirs(destination, exist_ok=True)
+        target = self._within(destination)
+        if os.path.isdir(target):  # a snapshot whose checkpoint never completed (a kill in between): taken anew
+            shutil.rmtree(target)
+        disk.snapshot(self.directory, target, [STATE, SHARED], key=KEY)
 
     def restore(self, source: str) -> int:
-        """The files of a snapshot copied back; returns their step."""
+        """The files of a snapshot (`snapshot`'s `destination`) copied back; returns their step."""
         self.close()
         os.makedirs(self.directory, exist_ok=True)
+        source = self._within(source)
+        if not os.path.isdir(source):
+            raise MixedState(f"{source} does not exist: the snapshot holds no files of this process")
         disk.restore_snapshot(source, self.directory, [STATE, SHARED], key=KEY)
         step = self.step()
         if step is None:
             raise MixedState(f"the snapshot {source} records no step")
         return step
+
+    def _within(self, destination: str) -> str:
+        return os.path.join(destination, os.path.basename(self.directory))
 
     @property
     def bytes_moved(self) -> tuple[int, int]:

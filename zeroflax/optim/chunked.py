@@ -122,7 +122,7 @@ def check_elementwise(optimizer, abstract_params, abstract_opt, grad_clip: float
         joined = [jnp.concatenate([a, b]) if cut(x) else a for a, b, x in zip(first, rest, params)]
         return whole, joined
 
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         whole, joined = jax.jit(probe)(jax.random.PRNGKey(0))
     close = lambda a, b: np.allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-6)
     if not all(close(a, b) for a, b in zip(whole, joined)):

@@ -69,7 +69,7 @@ class StreamedUpdate(OffloadedUpdate):
 
     @functools.cached_property
     def _cpu(self):
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
 
     def _update_fn(self, leaf: int):
         return self._jitted("update", leaf)

@@ -1,10 +1,13 @@
-"""A kill never leaves a checkpoint that restores to a mixed state, with the state on disk (NVMe offload).
+"""`zeroflax train` with the state on disk (NVMe offload): a kill never leaves a checkpoint that restores to a
+mixed state, and two processes each stream their own shards.
 
 `zeroflax train` (the tiny GPT, ZeRO-3, 8 simulated devices, a checkpoint every step) is killed with SIGKILL
 inside a step's update (the file half rewritten) and inside a checkpoint's snapshot (the copy made, not yet
 renamed): tests/nvme_kill_worker.py slows those operations so that the kill lands in them. The killed run
 then resumes with --resume and must end exactly where an uninterrupted run ends: the same loss at every
-step, and a final checkpoint whose file is byte for byte the uninterrupted run's.
+step, and a final checkpoint whose file is byte for byte the uninterrupted run's. Two processes of 4
+devices (jax.distributed, gloo) each keep their devices' shards in a file of their own and match one process
+of 8 to float32 rounding.
 """
 import os
 import signal
@@ -14,7 +17,7 @@ import time
 
 import pytest
 
-from cli_helpers import ROOT, TINY, env_without_device_flags, losses, tiny_bindings
+from cli_helpers import ROOT, TINY, env_without_device_flags, losses, tiny_bindings, zeroflax
 
 pytestmark = pytest.mark.slow
 STEPS = 5
@@ -49,7 +52,7 @@ def kill_when(process, seen, timeout=240.0):
 
 
 def final_file(workdir):
-    with open(workdir / "checkpoints" / f"nvme_{STEPS}" / "state.bin", "rb") as f:
+    with open(workdir / "checkpoints" / f"nvme_{STEPS}" / "process_0" / "state.bin", "rb") as f:
         return f.read()
 
 
@@ -94,9 +97,27 @@ def test_a_kill_inside_an_update_resumes_from_the_last_checkpoint(tmp_path, unin
 def test_a_kill_inside_a_snapshot_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
     run = worker("snapshot", train_args(tmp_path))
     snapshots = tmp_path / "checkpoints"
-    kill_when(run, lambda: os.path.isdir(snapshots / "nvme_3.tmp"))
+    kill_when(run, lambda: os.path.isdir(snapshots / "nvme_3" / "process_0.tmp"))
     # The unfinished snapshot has no checkpoint (orbax's is begun only after it is renamed into place).
-    assert not os.path.exists(snapshots / "3") and not os.path.exists(snapshots / "nvme_3")
+    assert not os.path.exists(snapshots / "3") and not os.path.exists(snapshots / "nvme_3" / "process_0")
     out = resume_and_compare(tmp_path, uninterrupted)
     assert "resumed from step 2" in out
-    assert not os.path.exists(snapshots / "nvme_3.tmp")  # removed when step 3's snapshot was taken again
+    assert not os.path.exists(snapshots / "nvme_3" / "process_0.tmp")  # removed when step 3's snapshot was taken again
+
+
+def test_two_processes_each_stream_their_own_shards(tmp_path, uninterrupted):
+    two = zeroflax("launch", "--nproc", "2", "--devices_per_process", "4", "--", sys.executable, "-m", "zeroflax",
+                   *train_args(tmp_path), "--no_progress", timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "in 2 process(es)" in two.stdout
+    multi, single = losses(tmp_path), losses(uninterrupted)
+    assert sorted(multi) == sorted(single)
+    for step in single:
+        assert abs(multi[step] - single[step]) <= 1e-5 * abs(single[step]), (step, multi[step], single[step])
+    # Each process wrote only its devices' shards: the two files hold what one process's file holds (each
+    # record rounded to whole 4096-byte blocks, so within a block per chunk).
+    sizes = [os.path.getsize(tmp_path / "nvme" / f"process_{i}" / "state.bin") for i in (0, 1)]
+    whole = os.path.getsize(uninterrupted / "nvme" / "process_0" / "state.bin")
+    assert sizes[0] > 0 and sizes[1] > 0 and abs(sum(sizes) - whole) <= whole * 0.2, (sizes, whole)
+    for i in (0, 1):  # and each snapshotted its own file into the checkpoint
+        assert os.path.isfile(tmp_path / "checkpoints" / f"nvme_{STEPS}" / f"process_{i}" / "state.bin")
