@@ -176,3 +176,23 @@ def test_elementwise_optimizers_are_accepted(tmp_path, optimizer):
 def test_invalid_nvme_settings_name_the_key(tmp_path, make, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         make(tmp_path)
+
+
+def test_reports_give_the_disk_column_and_the_disk_bytes(tmp_path):
+    boxed, loss, batches = make_case("odd", 0)
+    engine, state = zeroflax.initialize(loss, boxed, adamw(), base_config(3, offload_optimizer=nvme(tmp_path)))
+    before = zeroflax.comm_report(engine, state, batches[0])
+    assert before.disk_read == -1 and "(no step)" in str(before)  # nothing measured before a step
+    state, _ = engine.step(state, batches[0])
+    comm = zeroflax.comm_report(engine, state, batches[0])
+    num_params = sum(x.size for x in jax.tree.leaves(engine.abstract_params))
+    assert comm.disk_read_theory == comm.disk_written_theory == 12 * num_params
+    extents = sum(disk_files.aligned(n) for n in engine.update.layout.record_sizes)
+    assert comm.disk_read == comm.disk_written == extents
+    assert comm.host_to_device == comm.device_to_host == 0  # nothing crosses memory kinds inside the program
+    memory = zeroflax.memory_report(engine, state, batches[0])
+    assert memory.params == memory.opt_state == 0  # not in the state: in the file
+    assert memory.disk == os.path.getsize(os.path.join(engine.state_files.directory, "state.bin")) / 8
+    assert memory.theory_disk > 0 and memory.theory_host == 0
+    assert memory.host_buffers == engine.update.host_buffer_bytes() > 0
+    assert "state on disk" in str(memory) and "disk read (process)" in str(comm)
