@@ -11,7 +11,8 @@ import pathlib
 LAYERS = [
     ("foundation", ["zeroflax.version", "zeroflax.axes", "zeroflax.config", "zeroflax.config_*", "zeroflax.compat",
                     "zeroflax.workdir", "zeroflax.distributed", "zeroflax.data", "zeroflax.kernels"]),
-    ("sharding", ["zeroflax.sharding", "zeroflax.pipeline", "zeroflax.optim", "zeroflax.batch", "zeroflax.adapters"]),
+    ("sharding", ["zeroflax.sharding", "zeroflax.pipeline", "zeroflax.optim", "zeroflax.batch", "zeroflax.adapters",
+                  "zeroflax.disk"]),
     ("step parts", ["zeroflax.step", "zeroflax.remat_choice"]),
     ("engine", ["zeroflax.engine"]),
     ("models", ["zeroflax.models"]),
