@@ -43,7 +43,8 @@ def host_run(model, stage):
     return params
 
 
-@pytest.mark.parametrize("model,stage", [("odd", 1), ("odd", 2), ("odd", 3), ("gpt", 3)])
+@pytest.mark.parametrize("model,stage", [("odd", 1), ("odd", 2), ("odd", 3),
+                                         pytest.param("gpt", 3, marks=pytest.mark.slow)])  # the GPT: make test-slow
 def test_nvme_trains_as_host_offload(tmp_path, model, stage):
     boxed, loss, batches = make_case(model, 0)
     chunk = 50 if model == "odd" else 1000  # the GPT's 34k parameters in about 40 chunks
@@ -98,11 +99,14 @@ def test_checkpoint_snapshots_the_files_and_restores_bitwise(tmp_path):
     checkpoints.close()
 
 
-def test_an_interrupted_update_is_refused_until_restored(tmp_path):
+def test_an_interrupted_update_and_a_stale_state_are_refused(tmp_path):
     boxed, loss, batches = make_case("odd", 0)
     config = base_config(2, offload_optimizer=nvme(tmp_path / "state"))
     engine, state = zeroflax.initialize(loss, boxed, adamw(), config)
     state, _ = engine.step(state, batches[0])
+    # Step 1's update applied again (a state the engine returned before, stepped a second time) would mix steps.
+    with pytest.raises(ValueError, match="holds the state after step 1, but this TrainState is at step 0"):
+        engine.update.finish(state, {"grad_norm": 1.0})
     store = engine.state_files
     disk_files.mark_dirty(store.directory, 2)  # what a kill in the middle of step 2's update leaves
     with pytest.raises(MixedState, match="being rewritten for step 2"):
@@ -110,15 +114,6 @@ def test_an_interrupted_update_is_refused_until_restored(tmp_path):
     with pytest.raises(MixedState):
         store.snapshot(str(tmp_path / "snap"))
     assert not os.path.exists(tmp_path / "snap")
-
-
-def test_a_state_older_than_the_files_is_refused(tmp_path):
-    boxed, loss, batches = make_case("odd", 0)
-    engine, state = zeroflax.initialize(loss, boxed, adamw(), base_config(2, offload_optimizer=nvme(tmp_path)))
-    state, _ = engine.step(state, batches[0])
-    # Step 1's update applied again (a state the engine returned before, stepped a second time) would mix steps.
-    with pytest.raises(ValueError, match="holds the state after step 1, but this TrainState is at step 0"):
-        engine.update.finish(state, {"grad_norm": 1.0})
 
 
 def test_a_full_disk_is_one_error_naming_the_path(tmp_path, monkeypatch):
@@ -152,8 +147,7 @@ def test_an_optimizer_that_is_not_elementwise_is_refused(tmp_path, optimizer, wh
         zeroflax.initialize(loss, boxed, optimizer, base_config(2, offload_optimizer=nvme(tmp_path)))
 
 
-@pytest.mark.parametrize("optimizer", [optax.sgd(0.1, momentum=0.9), optax.lion(1e-3), adamw(weight_decay=0.1)],
-                         ids=["sgd", "lion", "adamw"])
+@pytest.mark.parametrize("optimizer", [optax.sgd(0.1, momentum=0.9), optax.lion(1e-3)], ids=["sgd", "lion"])
 def test_elementwise_optimizers_are_accepted(tmp_path, optimizer):
     boxed, loss, batches = make_case("odd", 0)
     engine, state = zeroflax.initialize(loss, boxed, optimizer, base_config(2, offload_optimizer=nvme(tmp_path)))
