@@ -175,16 +175,16 @@ def in_cgroup(limit: int | None, argv: list) -> tuple[int, list, str]:
         if line.startswith("{"):
             print("    " + line.rstrip(), flush=True)
     code = child.wait()
-    failcnt = ""
+    peak_note = ""
     if group:
         try:
             with open(os.path.join(group, "memory.max_usage_in_bytes")) as f:
-                failcnt = f"cgroup peak {int(f.read()) / 2**30:.2f} GiB"
+                peak_note = f"cgroup peak {int(f.read()) / 2**30:.2f} GiB"
         except OSError:
             pass
         os.rmdir(group)
     rows = [json.loads(line) for line in lines if line.startswith("{")]
-    return code, rows, failcnt
+    return code, rows, peak_note
 
 
 def disk_bandwidth(path: str, gib: int = 2) -> dict:
