@@ -425,9 +425,8 @@ def test_snapshot_falls_back_to_a_buffered_copy(tmp_path, monkeypatch):
     assert read_all(str(tmp_path / "snap")) == read_all(live)
 
 
-def test_failed_snapshot_leaves_nothing(tmp_path, monkeypatch):
-    live, snap = live_state(tmp_path, 0), str(tmp_path / "snap")
-    commit(live, 1)
+def copies_fail_after_the_first(monkeypatch) -> list:
+    """os.copy_file_range that copies once, then raises EIO; the list counts the calls."""
     real, calls = os.copy_file_range, []
 
     def fails_after_first(*a, **k):
@@ -437,6 +436,13 @@ def test_failed_snapshot_leaves_nothing(tmp_path, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(os, "copy_file_range", fails_after_first)
+    return calls
+
+
+def test_failed_snapshot_leaves_nothing(tmp_path, monkeypatch):
+    live, snap = live_state(tmp_path, 0), str(tmp_path / "snap")
+    commit(live, 1)
+    calls = copies_fail_after_the_first(monkeypatch)
     with pytest.raises(OSError, match="I/O error"):
         snapshot(live, snap, NAMES, key=KEY)
     assert len(calls) == 2
@@ -461,15 +467,7 @@ def test_failed_restore_leaves_live_marked_mixed(tmp_path, monkeypatch):
     live, snap = live_state(tmp_path, 0), str(tmp_path / "snap")
     commit(live, 1)
     snapshot(live, snap, NAMES, key=KEY)
-    real, calls = os.copy_file_range, []
-
-    def fails_after_first(*a, **k):
-        calls.append(1)
-        if len(calls) > 1:
-            raise OSError(errno.EIO, "I/O error")
-        return real(*a, **k)
-
-    monkeypatch.setattr(os, "copy_file_range", fails_after_first)
+    copies_fail_after_the_first(monkeypatch)
     with pytest.raises(OSError, match="I/O error"):
         restore_snapshot(snap, live, NAMES, key=KEY)
     assert file_state(live) == (1, 1)
