@@ -60,9 +60,19 @@ class StateStore:
         self.open()
         return self._file
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The host memory of the stream's buffers: buffer_count records of the largest chunk's size."""
+        return self.buffer_count * disk.aligned(max(self.layout.largest, 1))
+
+    def file_bytes(self) -> int:
+        """The size of the state's file on disk (0 before it exists)."""
+        path = os.path.join(self.directory, STATE)
+        return os.path.getsize(path) if os.path.exists(path) else 0
+
     def streamer(self) -> disk.Streamer:
         if self._pool is None:
-            self._pool = disk.BufferPool(self.buffer_count, disk.aligned(max(self.layout.largest, 1)))
+            self._pool = disk.BufferPool(self.buffer_count, self.buffer_bytes // self.buffer_count)
         return disk.Streamer(self.file, self._pool, threads=self.io_threads)
 
     def close(self) -> None:

@@ -47,9 +47,6 @@ class StreamedUpdate(OffloadedUpdate):
 
     phases = (STEADY,)
 
-    def pick(self, step: int, view) -> str:
-        return STEADY
-
     # ---------------------------------------------------------------------------- what it keeps where
     @functools.cached_property
     def _abstract_opt(self):
@@ -70,9 +67,6 @@ class StreamedUpdate(OffloadedUpdate):
     @functools.cached_property
     def _cpu(self):
         return jax.local_devices(backend="cpu")[0]
-
-    def _update_fn(self, leaf: int):
-        return self._jitted("update", leaf)
 
     @functools.cached_property
     def _programs(self) -> dict:
@@ -183,7 +177,7 @@ class StreamedUpdate(OffloadedUpdate):
         shardings = jax.tree.leaves(on_device(self.plan.params))
         shards = []  # per leaf: device -> its shard (host)
         for x, sharding in zip(leaves, shardings):
-            stored = self._stored_shape(x, sharding)
+            stored = stored_shape(x.shape, sharding)
             shards.append({d: np.zeros(tuple(len(range(*i.indices(n))) for i, n in zip(index, stored)), x.dtype)
                            for d, index in sharding.addressable_devices_indices_map(stored).items()})
         stream = store.streamer()
@@ -199,13 +193,9 @@ class StreamedUpdate(OffloadedUpdate):
         finally:
             stream.close()
         arrays = [jax.make_array_from_single_device_arrays(
-            self._stored_shape(x, s), s, [jax.device_put(a, d) for d, a in per_device.items()])
+            stored_shape(x.shape, s), s, [jax.device_put(a, d) for d, a in per_device.items()])
             for x, s, per_device in zip(leaves, shardings, shards)]
         return jax.tree.unflatten(jax.tree.structure(self.plan.abstract_params), arrays)
-
-    @staticmethod
-    def _stored_shape(x, sharding):
-        return stored_shape(x.shape, sharding)
 
     # ------------------------------------------------------------------------- the Update protocol
     def loss_params(self, state):
@@ -288,7 +278,7 @@ class StreamedUpdate(OffloadedUpdate):
                 # On the CPU device_put aliases the buffer's views: the np.asarray below waits for the update, so
                 # it has read them before they are overwritten.
                 to_cpu = lambda x: jax.device_put(x, self._cpu)
-                master, new_slots, shared_now, copy = self._update_fn(chunk.leaf)(
+                master, new_slots, shared_now, copy = self._jitted("update", chunk.leaf)(
                     to_cpu(v[-1]), tuple(to_cpu(v[j]) for j in slots), shared_in,
                     to_cpu(self._device_rows(grads[chunk.leaf], chunk)), norm)
                 v[-1][...] = np.asarray(master)
@@ -320,13 +310,11 @@ class StreamedUpdate(OffloadedUpdate):
 
     def disk_at_rest(self) -> int:
         """Bytes of this process's file on disk (the records' aligned extents; 0 before it exists)."""
-        path = os.path.join(self.store.directory, "state.bin")
-        return os.path.getsize(path) if os.path.exists(path) else 0
+        return self.store.file_bytes()
 
     def host_buffer_bytes(self) -> int:
         """The host memory the stream's buffers take (per process)."""
-        from zeroflax.disk.files import aligned
-        return self.config.offload_optimizer.buffer_count * aligned(max(self.layout.largest, 1))
+        return self.store.buffer_bytes
 
     def host_traffic_theory(self, abstract_params, phase: str = STEADY) -> tuple[float, float]:
         """Nothing moves between host and device inside the compiled step: the gradient rows and the compute
@@ -337,7 +325,7 @@ class StreamedUpdate(OffloadedUpdate):
     @functools.cached_property
     def _shard_layout(self):
         """The master weights' layout on the device, in the compute dtype (stage 3: the compute copy's own)."""
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(self._stored_shape(x, s), self._copy_dtype(x), sharding=s),
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(stored_shape(x.shape, s), self._copy_dtype(x), sharding=s),
                             self.plan.abstract_params, on_device(self.plan.params))
 
     def _copy_dtype(self, x):
