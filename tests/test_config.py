@@ -27,6 +27,10 @@ INVALID = {
     "negative threshold": (lambda: Config(persistence_threshold=-1), "Config.persistence_threshold"),
     "unknown remat": (lambda: Config(remat="sometimes"), "Config.remat"),
     "no remat under ZeRO-3": (lambda: Config(zero_stage=3, remat="none"), "Config.remat"),
+    "layer inputs offloaded under a pipeline": (
+        lambda: Config(remat="offload_full", mesh=MeshConfig(axes={"pipe": 2, "data": -1, "tensor": 1}),
+                       grad_accum_steps=2),
+        "Config.remat"),
     "negative bucket": (lambda: Config(prefetch_bucket_size=-1), "Config.prefetch_bucket_size"),
     "negative live parameters": (lambda: Config(max_live_parameters=-5), "Config.max_live_parameters"),
     "quantized as string": (lambda: Config(zero_stage=3, quantized_weights="yes"), "Config.quantized_weights"),

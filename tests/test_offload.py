@@ -268,6 +268,26 @@ def test_activation_offload_policy_moves_saved_matmuls_to_the_host():
     assert relative_error(params, runs["dots_no_batch"][1]) <= 1e-6
 
 
+def test_offload_full_keeps_each_layers_input_on_the_host():
+    """DeepSpeed's cpu_checkpointing: remat 'full', with the scanned layers' inputs (and the stack's output,
+    from which the head is recomputed) in host memory between the forward and the backward pass."""
+    boxed, loss, batches = make_case("gpt", 0)
+    config = base_config(2, remat="offload_full")
+    engine, state = zeroflax.initialize(loss, boxed, adamw(weight_decay=0.1), config)
+    batch = engine.put_batch(batches[0])
+    to_device, to_host = host_transfers(jax.make_jaxpr(engine.step_function(batch))(state, batch).jaxpr)
+    layers, carry = 2, config.micro_batch_size * 16 * 32 * 4  # one device's [micro-batch, seq, d_model] float32
+    assert to_host == to_device == config.grad_accum_steps * (layers + 1) * carry
+    params, _ = engine_run(loss, boxed, adamw(weight_decay=0.1), batches, config)
+    assert relative_error(params, baseline("gpt", 2)) <= 1e-6  # remat 'full'
+    for model, stage in (("mlp", 1), ("conv", 3)):  # Linen modules run as gather groups: their inputs move too
+        boxed, loss, batches = make_case(model, 0)
+        engine, state = zeroflax.initialize(loss, boxed, adamw(), base_config(stage, remat="offload_full"))
+        batch = engine.put_batch(batches[0])
+        to_device, to_host = host_transfers(jax.make_jaxpr(engine.step_function(batch))(state, batch).jaxpr)
+        assert to_host == to_device > 0, model
+
+
 def test_an_optimizer_that_cannot_run_on_the_host_is_a_config_error():
     boxed, loss, batches = make_case("mlp", 0)
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))

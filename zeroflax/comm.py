@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from zeroflax.axes import PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS
+from zeroflax.config import RECOMPUTE_WHOLE
 from zeroflax.hlo import (ARRAY_TYPE, DTYPE_BYTES, OP_NAME, array_bytes, computation_multipliers, first_replica_group,
                           scope_weight, source_target_pairs, split_computations)
 from zeroflax.sharding.padding import stored_shape
@@ -252,7 +253,7 @@ def megatron_all_reduces(layers: int, stages: int, virtual: int, micro_batches: 
     backward tick (where its last layer's exit is not needed), and with recomputation once more; the
     last one's F tick only files its input."""
     exit_cost = 0.5 if sequence_parallel else 1.0
-    recompute = remat == "full" or (sequence_parallel and remat != "none")
+    recompute = remat in RECOMPUTE_WHOLE or (sequence_parallel and remat != "none")
     r = (2 - exit_cost) if recompute else 0.0
     e = 1 if vocab_parallel else 0
     if stages == 1:

@@ -18,7 +18,10 @@ from zeroflax.config_checks import ConfigError, configurable, is_int, require
 from zeroflax.config_offload import OffloadOptimizerConfig, OffloadParamConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch", "offload_full")
+# The policies that recompute each checkpointed block whole in the backward pass (the reports and the
+# planner count that recomputation).
+RECOMPUTE_WHOLE = ("full", "offload_full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 SEQUENCE_ATTENTIONS = ("ulysses", "ring")  # zeroflax/sharding/sequence.py
 
@@ -146,7 +149,9 @@ class Config:
         (DeepSpeed's stage3_param_persistence_threshold).
     remat: activation checkpointing of each scanned layer: 'none', 'full' (save nothing),
         'dots' (save matmul outputs), 'dots_no_batch' (save matmul outputs without batch dims),
-        'offload_dots_no_batch' (those outputs go to pinned host memory instead of staying on the device).
+        'offload_dots_no_batch' (those outputs go to pinned host memory instead of staying on the device),
+        'offload_full' ('full', with the blocks' inputs, which 'full' keeps on the device between the forward
+        and the backward pass, in pinned host memory: DeepSpeed's cpu_checkpointing).
         With zero_stage 3, 'none' is refused: it would keep every layer's gathered weights.
     prefetch_bucket_size: ZeRO-3 gather groups (DeepSpeed's stage3_prefetch_bucket_size, in parameter
         elements): a module whose parameters number at most this is gathered as one group, its
@@ -265,6 +270,9 @@ class Config:
         require(not (self.zero_stage == 3 and self.remat == "none"), "Config.remat",
                 "'none' with zero_stage 3 would keep every layer's gathered weights until the backward pass",
                 "use 'dots' (saves all matmul outputs, the closest to no remat) or 'full'")
+        require(not (self.remat == "offload_full" and self.mesh.axes.get(PIPE_AXIS, 1) > 1), "Config.remat",
+                "'offload_full' offloads the inputs of the layers the loss keeps, but a pipeline stage recomputes "
+                "its layers from the stage's input and keeps none", "use 'full' with a pipe axis")
         require(is_int(self.prefetch_bucket_size) and self.prefetch_bucket_size >= 0, "Config.prefetch_bucket_size",
                 f"must be an integer >= 0 (parameter elements per gather group), got {self.prefetch_bucket_size!r}")
         require(is_int(self.max_live_parameters) and self.max_live_parameters >= 0, "Config.max_live_parameters",

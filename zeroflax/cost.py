@@ -32,6 +32,7 @@ import math
 import re
 
 from zeroflax.axes import DATA_AXIS, PIPE_AXIS, SEQUENCE_AXIS, TENSOR_AXIS
+from zeroflax.config import RECOMPUTE_WHOLE
 from zeroflax.comm import megatron_all_reduces
 from zeroflax.hlo import computation_multipliers, scope_weight, split_computations
 
@@ -136,7 +137,7 @@ def gpt_matmul_flops(gpt, seq: int, tokens: float, remat: str, pipe: int = 1, ca
         attention /= 2
     forward = matmul + attention
     recompute = 0.0
-    if remat == "full":
+    if remat in RECOMPUTE_WHOLE:
         per_layer = (2 * tokens * (4 * d * d + 2 * d * f) + attention / layers)
         recompute = max(layers - pipe, 0) * per_layer
     elif remat in ("dots_no_batch", "offload_dots_no_batch"):

@@ -2,7 +2,8 @@
 
 Gather groups (`sharding.groups`) and scanned layers (`sharding.layers.scan_layers`) are checkpointed
 blocks with `Config.remat`'s policy; their inputs and outputs are named block boundaries
-(`mark_boundary`), which `loss_remat_policy`, the policy of the loss as a whole, saves.
+(`mark_boundary`), which `loss_remat_policy`, the policy of the loss as a whole, saves (on the device,
+or under 'offload_full' in pinned host memory).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def remat_policy(name: str):
         "dots_no_batch": policies.dots_with_no_batch_dims_saveable,
         # MaxText's activation offload: what 'dots_no_batch' saves goes to host memory instead.
         "offload_dots_no_batch": policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+        # Inside a block as 'full'; what differs is where the loss keeps the blocks' inputs (below).
+        "offload_full": policies.nothing_saveable,
     }[name]
 
 
@@ -50,6 +53,12 @@ def loss_remat_policy(name: str):
     policy = remat_policy(name)
     if policy is None:
         return None
+    if name == "offload_full":
+        # DeepSpeed's cpu_checkpointing: each block's input goes to pinned host memory in the forward pass
+        # and comes back for the block's recomputation; nothing else is kept.
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[BOUNDARY], offload_src="device",
+            offload_dst="pinned_host")
     boundary = jax.checkpoint_policies.save_only_these_names(BOUNDARY)
 
     # Boundaries are saved on the device; anything else as the block policy says (an offloading
