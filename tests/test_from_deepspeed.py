@@ -148,7 +148,9 @@ def test_real_config_trains_with_deepspeeds_hyper_parameters(name, world, batch,
         if "onebit" in name:  # DeepSpeed's FP16_Optimizer around OnebitAdam halves on every overflow
             assert config.loss_scale.hysteresis == 1
     assert config.offload_optimizer.enabled == bool(zero.get("cpu_offload") or zero.get("offload_optimizer"))
-    assert imported.remat == ("full" if "activation_checkpointing" in ds else None)  # None: Config.remat as is
+    checkpointing = ds.get("activation_checkpointing")  # None: Config.remat as is
+    assert imported.remat == (None if checkpointing is None else
+                              "offload_full" if checkpointing.get("cpu_checkpointing") else "full")
     if "tensor_parallel" in ds:
         assert config.mesh.axes == {"data": world, "tensor": ds["tensor_parallel"]["autotp_size"]}
 
@@ -351,7 +353,7 @@ BAD = [  # (JSON path of the error, config, keywords)
         "mode": "bigbird", "num_sliding_window_block": 3}}, {}),
     ("gradient_clipping", {"train_batch_size": 8, "gradient_clipping": -1.0}, {}),
     ("activation_checkpointing.cpu_checkpointing", {"train_batch_size": 8, "activation_checkpointing": {
-        "partition_activations": True, "cpu_checkpointing": True}}, {}),
+        "partition_activations": True, "cpu_checkpointing": "true"}}, {}),
     ("scheduler.params.warmup_max_lr", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
         "warmup_max_lr": [1e-3, 2e-3]}}}, {}),
     ("scheduler.params.last_batch_iteration", {"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {
@@ -380,6 +382,23 @@ def test_unknown_key_names_the_nearest_known_key(tmp_path):
     path.write_text(json.dumps(BAD[0][1]))
     with pytest.raises(ConfigError, match=r"nearest known key is zero_optimization\.stage3_prefetch_bucket_size"):
         from_deepspeed(str(path), world_size=8)
+
+
+def test_an_unknown_key_unlike_any_known_one_lists_its_blocks_keys():
+    """trlx's GPT-J config carries Apex's fp16.opt_level: naming loss_scale as its typo would mislead."""
+    path = os.path.join(DATA, "deepspeed_corpus", "CarperAI__trlx", "examples__summarize_rlhf__sft__ds_config_gptj.json")
+    with pytest.raises(ConfigError, match=r"^fp16\.opt_level: unknown DeepSpeed key \(remove it; fp16 takes auto_cast, "):
+        from_deepspeed(path, world_size=8)
+
+
+def test_cpu_checkpointing_keeps_the_checkpointed_layers_inputs_on_the_host():
+    """DeepSpeedExamples' Megatron ZeRO-Offload config (in the corpus): remat 'offload_full'."""
+    path = os.path.join(DATA, "deepspeed_corpus", "deepspeedai__DeepSpeedExamples",
+                        "megatron__Megatron-LM__scripts__ds_zero-offload_config.json")
+    imported = from_deepspeed(path, world_size=8)
+    assert imported.remat == imported.config.remat == "offload_full"
+    assert from_deepspeed({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": False}},
+                          world_size=8).remat == "full"
 
 
 # --------------------------------------------------------------------------------------------- the CLI

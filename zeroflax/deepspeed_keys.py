@@ -78,6 +78,8 @@ MAPPED: dict[str, str] = {
     "scheduler.type": "WarmupLR, WarmupDecayLR, WarmupCosineLR, LRRangeTest -> zeroflax.optim.schedules",
     "scheduler.params": "the schedule's parameters (table 'Schedulers')",
     "activation_checkpointing": "block present: Config.remat = 'full' (each layer recomputed in the backward pass)",
+    "activation_checkpointing.cpu_checkpointing": "true: Config.remat = 'offload_full' (the layers' inputs kept in "
+                                                  "pinned host memory until the backward pass)",
     "sparse_attention": "block: a zeroflax SparsityConfig for GPTConfig.sparsity (table 'Sparse attention')",
     "tensor_parallel": "block",
     "torch_autocast": "block: forward under torch.autocast with fp32 weights",
@@ -235,10 +237,6 @@ REFUSED: dict[str, tuple[str, str, tuple]] = {
                                           "remove it (-1)", (-1,)),
     "zero_optimization.zenflow": ("ZenFlow is not built", "remove the block; delayed updates are "
                                   "OffloadOptimizerConfig.delayed_update", (None,)),
-    "activation_checkpointing.cpu_checkpointing": ("zeroflax's host-offloaded remat ('offload_dots_no_batch') keeps "
-                                                   "matmul outputs, not DeepSpeed's layer inputs", "set it false "
-                                                   "(Config.remat = 'offload_dots_no_batch' is the nearest option)",
-                                                   (False,)),
     "zero_optimization.offload_optimizer.ratio": ("partial offload is not built: all of the optimizer state or none "
                                                   "of it", "use 1.0", (1, 1.0)),
 }
@@ -413,10 +411,22 @@ def as_block(v, path: str) -> dict:
     return v
 
 
+# How alike (difflib's ratio) an unknown key and a known one must be for the error to name the known one as
+# the likely typo. Misspellings in real configs score above 0.8 (persitence/persistence 0.98, reduce_bucket
+# 0.84); an unrelated key's nearest match scores below 0.6 (Apex's fp16.opt_level against loss_scale: 0.42),
+# and naming that one would send the user to the wrong setting.
+TYPO_RATIO = 0.7
+
+
 def _unknown(path: str, known: list[str]):
     prefix, _, key = path.rpartition(".")
-    nearest = difflib.get_close_matches(key, known, n=1, cutoff=0.0)
-    fix = f"the nearest known key is {join(prefix, nearest[0])}" if nearest else None
+    nearest = difflib.get_close_matches(key, known, n=1, cutoff=TYPO_RATIO)
+    if nearest:
+        fix = f"the nearest known key is {join(prefix, nearest[0])}"
+    elif len(known) <= 12:
+        fix = f"remove it; {prefix} takes {', '.join(sorted(known))}"
+    else:
+        fix = f"remove it; docs/from_deepspeed.md lists the keys of {prefix}"
     raise ConfigError(path, "unknown DeepSpeed key", fix)
 
 
@@ -472,7 +482,7 @@ def check_params(params: dict, prefix: str, takes: Mapping, moot: Mapping, notes
         if key in moot:
             notes.append(f"{path}: accepted, nothing to do: {moot[key]}")
         elif key not in takes:
-            prefix_, _, key_ = path.rpartition(".")
-            nearest = difflib.get_close_matches(key_, known, n=1, cutoff=0.0)
-            fix = f"the nearest key {what} takes is {join(prefix_, nearest[0])}" if nearest else None
+            nearest = difflib.get_close_matches(key, known, n=1, cutoff=TYPO_RATIO)
+            fix = (f"the nearest key {what} takes is {join(prefix, nearest[0])}" if nearest else
+                   f"remove it; {what} takes {', '.join(known)}")
             raise ConfigError(path, f"unknown key for {what}", fix)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from zeroflax.axes import SEQUENCE_AXIS, TENSOR_AXIS
 from zeroflax.config import ConfigError
-from zeroflax.deepspeed_keys import as_block, as_int, as_number, check_block
+from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_block
 from zeroflax.deepspeed_settings import Settings
 
 
@@ -77,13 +77,16 @@ def read_clipping(ds: dict, settings: Settings, notes: list) -> None:
 
 def read_remat(ds: dict, settings: Settings, notes: list) -> str | None:
     """An activation_checkpointing block: DeepSpeed checkpoints each layer and recomputes it in the backward
-    pass; Config.remat 'full' does that for each scanned layer and gather group. Without the block the
+    pass; Config.remat 'full' does that for each scanned layer and gather group. With cpu_checkpointing
+    DeepSpeed keeps each checkpointed layer's inputs in host memory: 'offload_full'. Without the block the
     model decides in DeepSpeed (Megatron's --checkpoint-activations), so Config.remat stays as it is."""
     if "activation_checkpointing" not in ds:
         return None
     block = as_block(ds["activation_checkpointing"], "activation_checkpointing")
     check_block(block, "activation_checkpointing", notes)
-    return settings.set("Config.remat", "full", "activation_checkpointing")
+    key = "activation_checkpointing.cpu_checkpointing"
+    on_host = as_bool(block.get("cpu_checkpointing", False), key)
+    return settings.set("Config.remat", "offload_full" if on_host else "full", key if on_host else "activation_checkpointing")
 
 
 def read_sequence_parallel(ds: dict, settings: Settings, axes: dict, notes: list) -> dict:
