@@ -6,7 +6,6 @@ made by tools/gen_deepspeed_schedule_traces.py); the other expected values are r
 (tests/data/deepspeed_configs/, copied verbatim: sources in its README.md) or are DeepSpeed's defaults where
 a file leaves a key out (cited where used).
 """
-import copy
 import json
 import math
 import os

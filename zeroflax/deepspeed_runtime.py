@@ -53,7 +53,7 @@ def read_batch(ds: dict, settings: Settings, data_size: int, notes: list) -> Non
         shown = " x ".join(f"{k} {given[k]}" for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
                            if written[k])
         raise ConfigError("train_batch_size", f"{train} is less than {n} data-parallel devices"
-                          + (f" x {shown}" if shown else "") + f": each device would get less than one example",
+                          + (f" x {shown}" if shown else "") + ": each device would get less than one example",
                           f"pass world_size= (the number of GPUs the JSON was written for, at most {train}), "
                           "or write train_micro_batch_size_per_gpu")
     if train != micro * accum * n:
