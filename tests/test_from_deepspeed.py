@@ -67,6 +67,23 @@ def test_schedule_equals_deepspeeds_at_every_recorded_step(name):
     np.testing.assert_allclose(ours, case["lrs"], rtol=2e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", sorted(n for n, c in TRACES.items() if c.get("betas")))
+def test_one_cycle_momentum_equals_deepspeeds_at_every_recorded_step(name):
+    """OneCycle also sets Adam's betas each step: the optimizer's own hyperparameters at every recorded update
+    (beta1 cycled, beta2 0.99; the JSON's betas without cycle_momentum) are DeepSpeed's."""
+    case = TRACES[name]
+    ds = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": case["optimizer_lr"]}},
+          "scheduler": {"type": case["type"], "params": case["params"]}}
+    optimizer, params = from_deepspeed(ds, world_size=8).optimizer, jnp.zeros(3)
+
+    def step(state, _):
+        _, state = optimizer.update(jnp.ones(3), state, params)
+        return state, jnp.stack([state.hyperparams["b1"], state.hyperparams["b2"]])
+
+    _, betas = jax.jit(lambda: jax.lax.scan(step, optimizer.init(params), None, length=case["counts"][-1] + 1))()
+    np.testing.assert_allclose(np.asarray(betas, np.float64)[case["counts"]], case["betas"], rtol=2e-6)
+
+
 @pytest.mark.parametrize("name", sorted(n for n, c in TRACES.items() if c["error"]))
 def test_scheduler_params_deepspeed_refuses_are_refused(name):
     case = TRACES[name]
@@ -320,8 +337,13 @@ BAD = [  # (JSON path of the error, config, keywords)
     ("train_batch_size", load("megatron_gpt2_func_scheduler.json"), {}),  # 4 over 8 devices
     ("optimizer.type", {"train_batch_size": 8, "optimizer": {"type": "Muon", "params": {"lr": 1e-3}}}, {}),
     ("optimizer.type", {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, {}),
-    ("scheduler.type", {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {
+    # OneCycle cycles beta1: not with a client optimizer, nor a compressed one
+    ("scheduler.params.cycle_momentum", {"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {
         "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}}, {}),
+    ("scheduler.params.cycle_momentum", {"train_batch_size": 8, "optimizer": {"type": "OneBitAdam"}, "scheduler": {
+        "type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}}, {}),
+    ("scheduler.params.cycle_max_lr", {"train_batch_size": 8, "optimizer": {"type": "Adam"}, "scheduler": {
+        "type": "OneCycle", "params": {"cycle_min_lr": 1e-4}}}, {}),
     ("scheduler.type", {"train_batch_size": 8, "scheduler": {"type": "StepLR", "params": {}}}, {}),
     ("zero_optimization.offload_optimizer.nvme_path", {"train_batch_size": 8, "zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "nvme"}}}, {}),

@@ -10,7 +10,7 @@ Usage (outside the repository's venv: this needs torch, which zeroflax does not)
 DeepSpeed's file is imported, never copied; the only stub is the tiny `deepspeed.utils.logger` it imports.
 Each case builds a torch parameter, a torch.optim.AdamW over it and the scheduler with the case's params,
 then follows DeepSpeed's engine: for every optimizer step it records `param_groups[0]['lr']` (the lr that
-step uses), runs `optimizer.step()` on a gradient, then `scheduler.step()` (deepspeed/runtime/engine.py,
+step uses; for OneCycle also `param_groups[0]['betas']`, which it cycles), runs `optimizer.step()` on a gradient, then `scheduler.step()` (deepspeed/runtime/engine.py,
 `_take_model_step`, steps the scheduler after each applied optimizer step). It records the lr at `counts`
 (a dense start and the neighbourhoods of warmup_num_steps and total_num_steps; every step in between is
 run). A case whose construction raises stores the exception's type name: zeroflax must refuse it too.
@@ -73,6 +73,21 @@ def grid():
                                   "lr_range_test_step_rate": 0.5}, 0.01
     yield "range_staircase", R, {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 4,
                                  "lr_range_test_step_rate": 2.0, "lr_range_test_staircase": True}, 0.01
+    O = "OneCycle"  # recorded with Adam's betas too: it cycles beta1 and sets beta2 to 0.99
+    yield "one_cycle_symmetric", O, {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 10}, 0.01
+    yield "one_cycle_asymmetric_decay", O, {"cycle_min_lr": 1e-5, "cycle_max_lr": 3e-5, "cycle_first_step_size": 12,
+                                            "cycle_second_step_size": 7, "decay_step_size": 3, "decay_lr_rate": 0.5,
+                                            "decay_mom_rate": 0.01, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}, 0.01
+    yield "one_cycle_stairs", O, {"cycle_min_lr": 0.1, "cycle_max_lr": 0.5, "cycle_first_step_size": 12,
+                                  "cycle_second_step_size": 9, "cycle_first_stair_count": 4,
+                                  "cycle_second_stair_count": 3}, 0.01
+    yield "one_cycle_stairs_default_second", O, {"cycle_min_lr": 0.1, "cycle_max_lr": 0.5,
+                                                 "cycle_first_step_size": 8, "cycle_first_stair_count": 3}, 0.01
+    yield "one_cycle_no_momentum", O, {"cycle_min_lr": 2e-4, "cycle_max_lr": 4e-4, "cycle_first_step_size": 5,
+                                       "cycle_second_step_size": 0, "cycle_momentum": False, "decay_step_size": 2,
+                                       "decay_lr_rate": 1.0}, 0.01
+    yield "one_cycle_axolotl", O, {"cycle_min_lr": 0.00001, "cycle_max_lr": 0.00003, "cycle_first_step_size": 120}, 0.01
+    yield "one_cycle_zero_first_step", O, {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 0}, 0.01
 
 
 def config_cases(config_dir):
@@ -96,14 +111,21 @@ def config_cases(config_dir):
 
 def counts_for(params):
     marks = set(range(DENSE))
-    for key in ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size"):
+    if "cycle_first_step_size" in params:  # OneCycle: the cycle's end (its halves are inside the dense start
+        first = params["cycle_first_step_size"]  # or listed here) and the decay after it
+        marks |= set(range(first + params.get("cycle_second_step_size", first) + 25))
+    for key in ("warmup_num_steps", "total_num_steps", "lr_range_test_step_size", "cycle_first_step_size"):
         n = params.get(key)
         if isinstance(n, (int, float)) and not isinstance(n, bool):
             n = int(n)
             marks |= set(range(max(0, n - 2), n + 4)) | {n + 10}
-    if "warmup_num_steps" not in params:  # DeepSpeed's default warm-up, 1000 steps
+    if "warmup_num_steps" not in params and kind_uses_warmup(params):  # DeepSpeed's default warm-up, 1000 steps
         marks |= set(range(998, 1004))
     return sorted(marks)
+
+
+def kind_uses_warmup(params):
+    return not any(key.startswith("cycle_") for key in params)
 
 
 def trace(ds_sched, torch, kind, params, optimizer_lr):
@@ -112,17 +134,18 @@ def trace(ds_sched, torch, kind, params, optimizer_lr):
     try:
         scheduler = getattr(ds_sched, kind)(optimizer, **params) if kind else None
     except Exception as e:  # recorded: zeroflax must refuse these params too
-        return None, None, type(e).__name__
+        return None, None, None, type(e).__name__
     counts = counts_for(params)
-    lrs = []
+    lrs, betas = [], []
     for count in range(counts[-1] + 1):
         if count in counts:
             lrs.append(float(optimizer.param_groups[0]["lr"]))
+            betas.append([float(b) for b in optimizer.param_groups[0]["betas"]])
         param.grad = torch.ones(3)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-    return counts, lrs, None
+    return counts, lrs, betas, None
 
 
 def main():
@@ -148,14 +171,16 @@ def main():
     sources = [(name, kind, params, lr, None) for name, kind, params, lr in grid()]
     sources += [(name, kind, params, lr, auto) for name, kind, params, lr, auto in config_cases(args.configs)]
     for name, kind, params, lr, auto in sources:
-        counts, lrs, error = trace(ds_sched, torch, kind, params, lr)
+        counts, lrs, betas, error = trace(ds_sched, torch, kind, params, lr)
         case = dict(name=name, type=kind, params=params, optimizer_lr=lr, counts=counts, lrs=lrs, error=error)
+        if kind == "OneCycle" and betas is not None:  # the others leave torch's AdamW betas (0.9, 0.999) alone
+            case["betas"] = betas
         if auto is not None:
             case.update(config=name, auto=auto)
         cases.append(case)
     meta = dict(source=args.source, generator="tools/gen_deepspeed_schedule_traces.py", torch=torch.__version__,
-                protocol="lrs[i]: param_groups[0]['lr'] before optimizer step number counts[i] (0-based); "
-                         "scheduler.step() after every optimizer.step()")
+                protocol="lrs[i] (betas[i], OneCycle only): param_groups[0]['lr'] ('betas') before optimizer step "
+                         "number counts[i] (0-based); scheduler.step() after every optimizer.step()")
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, cases=cases), f, indent=1)
         f.write("\n")

@@ -235,8 +235,8 @@ def from_deepspeed(source, *, base: Config | None = None, bound: Mapping[str, An
     # The lr a scheduler scales (WarmupCosineLR) or defaults to (WarmupLR): the optimizer block's, else the
     # client optimizer's (learning_rate=).
     optimizer_lr = spec[1]["lr"] if spec is not None else learning_rate
-    schedule = build_schedule(optimizer_lr) if build_schedule is not None else None
-    optimizer, hyper = build_optimizer(spec, schedule, stage, precision, default_optimizer, notes)
+    schedule, beta1 = build_schedule(optimizer_lr) if build_schedule is not None else (None, None)
+    optimizer, hyper = build_optimizer(spec, schedule, stage, precision, default_optimizer, notes, beta1)
     if schedule is None and spec is not None:
         schedule = schedules.constant(spec[1]["lr"])
     try:

@@ -276,6 +276,10 @@ SCHEDULER_PARAMS = {
                        "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1},
     "LRRangeTest": {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000, "lr_range_test_step_rate": 1.0,
                     "lr_range_test_staircase": False, "last_batch_iteration": -1},
+    "OneCycle": {"cycle_min_lr": None, "cycle_max_lr": None, "decay_lr_rate": 0.0, "cycle_first_step_size": 2000,
+                 "cycle_second_step_size": None, "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
+                 "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+                 "decay_mom_rate": 0.0, "last_batch_iteration": -1},
 }
 # DeepSpeed's config reader (runtime/config.py get_sparse_*_config) reads these keys per mode, with these
 # defaults; note BigBird's num_random_blocks default 0 (the class's own default is 1). 'attention' for bigbird
@@ -303,9 +307,7 @@ OPTIMIZERS_REFUSED = {
     "muadam": "muP optimizers are not built", "muadamw": "muP optimizers are not built",
     "musgd": "muP optimizers are not built", "muon": "Muon is not built",
 }
-SCHEDULERS_REFUSED = {
-    "OneCycle": "it cycles Adam's beta1 every step (and pins beta2 to 0.99); not built",
-}
+SCHEDULERS_REFUSED: dict[str, str] = {}  # none at present; render_markdown and read_scheduler read it
 
 
 def siblings(prefix: str) -> list[str]:
@@ -367,7 +369,7 @@ def render_markdown() -> str:
 
 
 _SCHEDULE_FUNCTIONS = {"WarmupLR": "warmup_lr", "WarmupDecayLR": "warmup_decay_lr",
-                       "WarmupCosineLR": "warmup_cosine_lr", "LRRangeTest": "lr_range_test"}
+                       "WarmupCosineLR": "warmup_cosine_lr", "LRRangeTest": "lr_range_test", "OneCycle": "one_cycle"}
 
 
 # ------------------------------------------------------------------------- checking keys and reading values

@@ -22,6 +22,7 @@ from zeroflax.deepspeed_keys import as_block, as_bool, as_int, as_number, check_
 from zeroflax.optim.lamb import deepspeed_lamb
 from zeroflax.optim.onebit import onebit_adam
 from zeroflax.optim.onebit_lamb import onebit_lamb
+from zeroflax.optim.schedules import ONE_CYCLE_BETA2
 from zeroflax.optim.zero_one_adam import zero_one_adam
 
 # The optimizers whose exchange is compressed to signs (the engine's sync parts do it).
@@ -177,8 +178,14 @@ _COMPRESSED_BUILDS = {
 }
 
 
-def build_optimizer(spec, schedule, stage: int, precision: str, default_optimizer, notes: list):
-    """(optimizer, hyperparameters). `schedule`: the lr as a function of the count, or None (constant lr)."""
+def build_optimizer(spec, schedule, stage: int, precision: str, default_optimizer, notes: list, beta1=None):
+    """(optimizer, hyperparameters). `schedule`: the lr as a function of the count, or None (constant lr);
+    `beta1`: OneCycle's cycled beta1 as a function of the count (beta2 is then its 0.99), or None."""
+    if beta1 is not None and (spec is None or spec[0] in COMPRESSED):
+        what = "the optimizer is your own (no optimizer block)" if spec is None else \
+            f"cycling {COMPRESSED[spec[0]]}'s momentum is not built"
+        raise ConfigError("scheduler.params.cycle_momentum", f"OneCycle cycles the optimizer's beta1, but {what}",
+                          "set it false" + (", or write an optimizer block" if spec is None else ""))
     if spec is None:
         if default_optimizer is None:
             notes.append("optimizer: absent: pass your own optimizer to zeroflax.initialize (DeepSpeed's client "
@@ -187,7 +194,7 @@ def build_optimizer(spec, schedule, stage: int, precision: str, default_optimize
         return default_optimizer(schedule), {"type": "default_optimizer"}
     kind, p = spec
     learning_rate = schedule if schedule is not None else p["lr"]
-    b1, b2 = p["betas"]
+    b1, b2 = p["betas"] if beta1 is None else (beta1, ONE_CYCLE_BETA2)
     if kind in COMPRESSED:
         name, (build, takes) = COMPRESSED[kind], _COMPRESSED_BUILDS[kind]
         if stage == 3:

@@ -21,6 +21,7 @@ The curves (W = max(2, warmup_num_steps), T = total_num_steps, i = c - 1 >= 0):
     WarmupCosineLR: lr * (r0 + (1 - r0) g(i)) if i < W, else
                     lr * max(0, rc + (1 - rc) (1 + cos(pi min(1, (i - W + 1) / max(1, T - W)))) / 2)
     LRRangeTest:    min * (1 + rate * (c / size))   (floor(c / size) with staircase)
+    OneCycle:       `one_cycle` below (it also cycles Adam's beta1)
 DeepSpeed computes in Python floats (float64); these run in float32, within 1e-6 relative.
 """
 from __future__ import annotations
@@ -122,6 +123,67 @@ def lr_range_test(lr_range_test_min_lr: float = 1e-3, lr_range_test_step_size: i
         return lr_range_test_min_lr * (1.0 + lr_range_test_step_rate * interval)
 
     return schedule
+
+
+def one_cycle(cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
+              cycle_second_step_size: int | None = None, cycle_first_stair_count: int = 0,
+              cycle_second_stair_count: int | None = None, decay_step_size: int = 0, cycle_momentum: bool = True,
+              cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9,
+              decay_mom_rate: float = 0.0) -> tuple[Schedule, Schedule | None]:
+    """DeepSpeed's OneCycle: (the lr, Adam's beta1 or None without cycle_momentum) as functions of the count.
+
+    One cycle of F + S updates (F = cycle_first_step_size, S = cycle_second_step_size, F by default): the lr
+    rises from cycle_min_lr to cycle_max_lr over the first F and falls back over the next S, while beta1
+    falls from cycle_max_mom to cycle_min_mom and rises back; then the lr decays as
+    min / (1 + decay_lr_rate d / decay_step_size) and beta1 grows as max (1 + decay_mom_rate d /
+    decay_step_size), d updates after the cycle (held at min and max when either is 0). With a stair
+    count the half cycle moves in that many flat steps. DeepSpeed's scheduler also pins Adam's beta2 to 0.99
+    (the builder applies that), and before its first step() beta1 is cycle_min_mom: the first update runs
+    with it, where the curve would give cycle_max_mom. Update c's position in the cycle is c (its
+    last_batch_iteration c - 1, plus the 1 DeepSpeed adds)."""
+    first = cycle_first_step_size
+    second = first if cycle_second_step_size is None else cycle_second_step_size
+    for name, size, least in (("cycle_first_step_size", first, 1), ("cycle_second_step_size", second, 0),
+                              ("cycle_first_stair_count", cycle_first_stair_count, 0),
+                              ("decay_step_size", decay_step_size, 0)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {size!r}")
+    stairs_up = cycle_first_stair_count
+    stairs_down = stairs_up if cycle_second_stair_count is None else cycle_second_stair_count
+    total = first + second
+    lr_decays = decay_step_size != 0 and decay_lr_rate != 0
+    mom_decays = decay_step_size != 0 and decay_mom_rate != 0
+
+    def scale(count):
+        """0 at the cycle's ends, 1 at its peak (the position in the cycle is exact in integers)."""
+        c = jnp.asarray(count, jnp.int32)
+        k = c % total
+        rising = k <= first
+        smooth = jnp.where(rising, k / first, (total - k) / max(second, 1))
+        stairs = jnp.where(rising, stairs_up, stairs_down)
+        position = jnp.where(k <= first, k * stairs / first, (total - k) * stairs / max(second, 1))
+        stepped = jnp.floor(position) / jnp.maximum(stairs, 1)
+        return jnp.where(stairs > 0, stepped, smooth).astype(jnp.float32)
+
+    def after(count):
+        return jnp.asarray(count, jnp.float32) - total  # d: updates after the cycle
+
+    def lr(count):
+        cycling = cycle_min_lr + (cycle_max_lr - cycle_min_lr) * scale(count)
+        decayed = cycle_min_lr / (1.0 + decay_lr_rate * after(count) / decay_step_size) if lr_decays else cycle_min_lr
+        return jnp.where(jnp.asarray(count) <= total, cycling, decayed)
+
+    def beta1(count):
+        cycling = cycle_max_mom - (cycle_max_mom - cycle_min_mom) * scale(count)
+        decayed = cycle_max_mom * (1.0 + decay_mom_rate * after(count) / decay_step_size) if mom_decays else cycle_max_mom
+        value = jnp.where(jnp.asarray(count) <= total, cycling, decayed)
+        return jnp.where(jnp.asarray(count) == 0, cycle_min_mom, value)
+
+    return lr, (beta1 if cycle_momentum else None)
+
+
+# DeepSpeed's OneCycle sets Adam's betas to (the cycled beta1, 0.99) from its construction.
+ONE_CYCLE_BETA2 = 0.99
 
 
 def constant(learning_rate: float) -> Schedule:
