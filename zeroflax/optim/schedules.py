@@ -161,7 +161,7 @@ def one_cycle(cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0
         rising = k <= first
         smooth = jnp.where(rising, k / first, (total - k) / max(second, 1))
         stairs = jnp.where(rising, stairs_up, stairs_down)
-        position = jnp.where(k <= first, k * stairs / first, (total - k) * stairs / max(second, 1))
+        position = jnp.where(rising, k * stairs / first, (total - k) * stairs / max(second, 1))
         stepped = jnp.floor(position) / jnp.maximum(stairs, 1)
         return jnp.where(stairs > 0, stepped, smooth).astype(jnp.float32)
 
