@@ -173,11 +173,17 @@ def gpt_bound(spec, setup, stage: int, offload: str, remat: str, micro_batch: in
             scatters = accum if stage == 2 else 1
             comm += (scatters * MASTER_BYTES + (compute if optimizer_off else MASTER_BYTES)) * local * share
         else:
-            # Per micro-batch: a stacked layer is gathered for the forward and again for the backward; a
-            # leaf the model owns directly (the embeddings) may be gathered once and kept (README), so
-            # the bound counts one gather for it; the gradient is reduce-scattered.
-            gathers = 2 if leaf.stacked else 1
-            comm += accum * (gathers * compute + MASTER_BYTES) * local * share
+            # The gradient is reduce-scattered per micro-batch. What must be gathered: a stacked layer's leaf
+            # for each micro-batch's forward, and again for its backward only if it is a matrix (the input's
+            # gradient needs it; XLA drops the backward gather of a bias or scale whose value the
+            # recomputation does not need: measured on the tests' GPT); a leaf the model owns directly (the
+            # embeddings) may be gathered once per step and kept (README; measured: the position embedding
+            # is, at 4 micro-batches), so one gather per step.
+            if leaf.stacked:
+                gathers = accum * (2 if len(leaf.shape) > 2 else 1)
+            else:
+                gathers = 1
+            comm += (accum * MASTER_BYTES + gathers * compute) * local * share
         shard = local / n if partitioned else local
         true_elements += shard
         grads_to_host += MASTER_BYTES * shard
