@@ -10,7 +10,8 @@ import pathlib
 # named after one: `deepspeed_zero` after `deepspeed_config`); the most specific entry places a module.
 LAYERS = [
     ("foundation", ["zeroflax.version", "zeroflax.axes", "zeroflax.config", "zeroflax.config_*", "zeroflax.compat",
-                    "zeroflax.workdir", "zeroflax.distributed", "zeroflax.data", "zeroflax.kernels"]),
+                    "zeroflax.workdir", "zeroflax.distributed", "zeroflax.data", "zeroflax.kernels",
+                    "zeroflax.platform"]),
     ("sharding", ["zeroflax.sharding", "zeroflax.pipeline", "zeroflax.optim", "zeroflax.batch", "zeroflax.adapters",
                   "zeroflax.disk"]),
     ("step parts", ["zeroflax.step", "zeroflax.remat_choice"]),

@@ -31,6 +31,7 @@ from zeroflax.adapters import unbox
 from zeroflax.batch import BatchLayout, batch_layout, batch_share
 from zeroflax.config import Config, ConfigError
 from zeroflax.pipeline.executor import tables
+from zeroflax.platform import check_precision
 from zeroflax.remat_choice import settle_remat
 from zeroflax.sharding.context import GatherUsage
 from zeroflax.sharding.mesh import DATA_AXIS, build_mesh, zero_size
@@ -355,6 +356,7 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
         model_state = (model_state,)
     collections = tuple(model_state)
     mesh = build_mesh(config.mesh, devices)
+    check_precision(config.precision, mesh.devices.flat)  # fp16 on a CPU that cannot convert it: the key, not XLA
     train_batch_size = config.resolve_train_batch(mesh.shape[DATA_AXIS])
     base_rng = jax.random.PRNGKey(config.seed) if rng is None else rng
     init_rng, step_rng = jax.random.split(base_rng)
