@@ -2,6 +2,7 @@
 non-finite step never applied (Config.nonfinite)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -291,10 +292,11 @@ ls -a "$workdir/checkpoints" > "$out/after_resume.ls"
 
 @pytest.mark.slow  # multi-process or end-to-end: `make test-slow` (and CI)
 def test_a_full_disk_stops_the_run_and_keeps_the_newest_checkpoint(tmp_path):
-    """The workdir is a 1650 KiB tmpfs; the tiny GPT's checkpoints take about 660 KiB each, so the third save finds
-    the disk full. The run stops with one line naming the step and the cause (exit status 1), the two complete
-    checkpoints are left, and once there is space `--resume` continues from the newest and finishes (and orbax
-    removes the unfinished save)."""
+    """The workdir is a 1650 KiB tmpfs; the tiny GPT's checkpoints take 650 to 900 KiB each (orbax's files
+    differ from run to run: 656-896 KiB measured over 8 runs of 3 checkpoints, on SSE4.2 and AVX2 alike), so
+    the second or the third save finds the disk full, never the first or the fourth. The run stops with one
+    line naming that step and the cause (exit status 1), every checkpoint before it is left complete, and once
+    there is space `--resume` continues from the newest and finishes (and orbax removes the unfinished save)."""
     from cli_helpers import env_without_device_flags
     workdir, out = tmp_path / "run", tmp_path / "out"
     workdir.mkdir()
@@ -310,13 +312,16 @@ def test_a_full_disk_stops_the_run_and_keeps_the_newest_checkpoint(tmp_path):
     errors = [line for line in first_err.splitlines() if line.startswith("zeroflax: error:")]
     assert (out / "first.rc").read_text().strip() == "1", first_err[-3000:]
     assert len(errors) == 1, first_err[-3000:]
-    assert ("the checkpoint of step 3 could not be written" in errors[0] and "No space left on device" in errors[0]
-            and "The newest complete checkpoint, step 2, is intact" in errors[0]), errors[0]
+    failed = re.search(r"the checkpoint of step (\d+) could not be written", errors[0])
+    assert failed and int(failed.group(1)) in (2, 3), errors[0]
+    step = int(failed.group(1))
+    assert ("No space left on device" in errors[0]
+            and f"The newest complete checkpoint, step {step - 1}, is intact" in errors[0]), errors[0]
     left = (out / "after_failure.ls").read_text().split()
-    assert "1" in left and "2" in left and "3" not in left and "4" not in left, left
+    assert all(str(s) in left for s in range(1, step)) and str(step) not in left and "4" not in left, left
     resumed = (out / "resumed.out").read_text()
     assert (out / "resumed.rc").read_text().strip() == "0", (out / "resumed.err").read_text()[-3000:]
-    assert "resumed from step 2" in resumed, resumed[-2000:]
+    assert f"resumed from step {step - 1}" in resumed, resumed[-2000:]
     finished = (out / "after_resume.ls").read_text().split()
     assert "4" in finished and not any(".orbax-checkpoint-tmp" in name for name in finished), finished
 
