@@ -27,9 +27,19 @@ def tiny_bindings(workdir, steps=6, **extra):
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
+def xla_flags_without_device_count() -> str:
+    """XLA_FLAGS for a subprocess that sets its own device count: the suite's flags and the user's (an
+    instruction-set cap such as --xla_cpu_max_isa=SSE4_2 must reach every process of a run), less the
+    simulated device count."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if TEST_XLA_FLAGS not in flags:
+        flags.append(TEST_XLA_FLAGS)
+    return " ".join(f for f in flags if "xla_force_host_platform_device_count" not in f)
+
+
 def env_without_device_flags():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = TEST_XLA_FLAGS  # without the suite's device count: the CLI sets its own
+    env["XLA_FLAGS"] = xla_flags_without_device_count()  # the CLI sets its own device count
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

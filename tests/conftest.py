@@ -17,6 +17,19 @@ import pytest  # noqa: E402
 assert jax.device_count() == 8, f"expected 8 simulated devices, got {jax.device_count()}"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked fp16 are skipped, with the reason, where XLA's CPU backend cannot compile float16
+    (zeroflax/platform.py): a CPU without F16C, or the suite run with XLA_FLAGS=--xla_cpu_max_isa=SSE4_2."""
+    from zeroflax.platform import float16_compiles
+
+    marked = [item for item in items if item.get_closest_marker("fp16")]
+    if marked and not float16_compiles("cpu"):
+        skip = pytest.mark.skip(reason="XLA's CPU backend cannot compile float16 here (no F16C instructions, or "
+                                       "--xla_cpu_max_isa below AVX): Config.precision='fp16' is refused")
+        for item in marked:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
     """Free each module's compiled executables when it is done. XLA:CPU maps every executable's code

@@ -17,10 +17,10 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cli_helpers import TEST_XLA_FLAGS  # noqa: E402  (LLVM -O0: compile time dominates these tiny programs)
+from cli_helpers import xla_flags_without_device_count  # noqa: E402  (the suite's LLVM -O0 and the user's flags)
 from layout_grid import CONFIGS  # noqa: E402
 
-os.environ["XLA_FLAGS"] = (f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count="
+os.environ["XLA_FLAGS"] = (f"{xla_flags_without_device_count()} --xla_force_host_platform_device_count="
                            f"{os.environ.get('ZEROFLAX_CPU_DEVICES', '8')}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from zeroflax.distributed import maybe_initialize  # noqa: E402

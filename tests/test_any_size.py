@@ -18,7 +18,9 @@ from zeroflax.checkpoint import CheckpointError, Checkpointer, true_shapes
 from zeroflax.sharding.policy import zero_placement
 
 from models import MLP, linen_case, odd_loss, odd_params
-from test_equivalence import TOL, adamw, reference_run, relative_error
+from cli_helpers import xla_flags_without_device_count
+from noise_floor import assert_matches
+from test_equivalence import adamw, reference_and_floor
 
 STEPS = 4
 CLIP = 0.5  # below the gradients' norm at the first steps: clipping acts
@@ -71,7 +73,7 @@ def _run(params, loss, batches, config, devices):
 def test_six_devices_match_optax(model, stage):
     params, loss, batches = _case(model)
     clipped = optax.chain(optax.clip_by_global_norm(CLIP), adamw(weight_decay=0.1))  # the norm sees no padding
-    reference = reference_run(loss, zeroflax.unbox(params)[0], clipped, batches)
+    reference, floor = reference_and_floor(loss, zeroflax.unbox(params)[0], clipped, batches)
     config = zeroflax.Config(zero_stage=stage, micro_batch_size=1, grad_accum_steps=2, persistence_threshold=0,
                              grad_clip=CLIP, remat=_remat(model, stage))
     engine, state = _run(params, loss, batches, config, jax.devices()[:6])
@@ -90,7 +92,7 @@ def test_six_devices_match_optax(model, stage):
             assert not np.any(x), "a padded element is not zero"
     model_params = jax.device_get(engine.model_params(state))
     assert jax.tree.map(np.shape, model_params) == jax.tree.map(np.shape, reference)
-    assert relative_error(model_params, reference) <= TOL
+    assert_matches(model_params, reference, floor, f"{model} stage {stage} on 6 devices")
 
 
 TWELVE = r"""
@@ -99,29 +101,31 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 sys.path.insert(0, sys.argv[1])
 import jax, optax, zeroflax
 from test_any_size import _case, _remat, _run, STEPS
-from test_equivalence import adamw, reference_run, relative_error
+from noise_floor import assert_matches
+from test_equivalence import adamw, reference_and_floor
 out = {}
 for model, stage in [("flax", 1), ("flax", 3)]:
     params, loss, batches = _case(model)
-    reference = reference_run(loss, zeroflax.unbox(params)[0], optax.chain(optax.clip_by_global_norm(0.5),
-                              adamw(weight_decay=0.1)), batches)
+    reference, floor = reference_and_floor(loss, zeroflax.unbox(params)[0], optax.chain(
+        optax.clip_by_global_norm(0.5), adamw(weight_decay=0.1)), batches)
     config = zeroflax.Config(zero_stage=stage, micro_batch_size=1, persistence_threshold=0, grad_clip=0.5,
                              remat=_remat(model, stage))
     engine, state = _run(params, loss, batches, config, None)
     assert engine.data_size == 12 and engine.plan.padded
-    out[f"{model}-{stage}"] = relative_error(jax.device_get(engine.model_params(state)), reference)
+    out[f"{model}-{stage}"] = assert_matches(jax.device_get(engine.model_params(state)), reference, floor,
+                                             f"{model} stage {stage} on 12 devices")
 print(json.dumps(out))
 """
 
 
 def test_twelve_devices_match_optax():
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}  # the script sets its own count
     done = subprocess.run([sys.executable, "-c", TWELVE, here], capture_output=True, text=True, timeout=600, env=env,
                           cwd=os.path.dirname(here))
     assert done.returncode == 0, done.stderr[-3000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(errors) == {"flax-1", "flax-3"} and max(errors.values()) <= TOL, errors
+    assert set(errors) == {"flax-1", "flax-3"}, errors  # each within its noise floor's bound (the script asserts)
 
 
 def _saved(engine, state, directory):

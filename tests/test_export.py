@@ -19,6 +19,7 @@ from zeroflax.export import (export_safetensors, gpt_abstract_params, initialize
                              to_tensors)
 from zeroflax.models.gpt import GPT, GPTConfig, next_token_loss
 from zeroflax.train import TrainConfig
+from tolerance import at_least, at_most
 
 STACKED = ["b_in", "b_out", "ln1_bias", "ln1_scale", "ln2_bias", "ln2_scale", "w_in", "w_o", "w_out", "w_qkv"]
 
@@ -84,8 +85,8 @@ def test_one_device_engine_from_the_file_has_the_8_device_loss(run):
     loss1 = float(engine1.evaluate(state1, run["batch"]))
     print(f"loss 8 devices {loss8!r}, 1 device from the file {loss1!r}, relative {abs(loss1 - loss8) / loss8:.2e}")
     assert engine1.mesh.size == 1
-    assert abs(loss1 - loss8) <= 1e-6 * abs(loss8)
-    assert abs(fresh - loss8) > 1e-4 * abs(loss8)
+    at_most(abs(loss1 - loss8) / abs(loss8), 1e-6, "the exported parameters' loss on 1 device against 8's")
+    at_least(abs(fresh - loss8) / abs(loss8), 1e-4, "a fresh initialisation's loss against the trained one's")
     for name, value in run["params"].items():
         np.testing.assert_array_equal(np.asarray(state1.params[name]), value, err_msg=name)
     # the fresh optimizer state (Adam's zero moments) is kept, not the checkpoint's
@@ -180,7 +181,8 @@ def test_main_job_starts_from_init_from_and_refuses_an_ambiguous_resume(run, tmp
     _, val_tokens = train_val_split(tokens, tc.val_fraction, min_tokens=tc.seq_len + 1)
     expected = validation_bits_per_byte(run["engine"], run["state"], val_tokens, tc)
     print(f"init_from validation {summary['val_bpb_before']!r} bits per byte, the exported parameters' {expected!r}")
-    assert abs(summary["val_bpb_before"] - expected) <= 1e-6 * expected, (summary["val_bpb_before"], expected)
+    at_most(abs(summary["val_bpb_before"] - expected) / expected, 1e-6,
+            "init_from's validation bits per byte against the exported parameters'")
     other = tmp_path / "other.safetensors"
     other.write_bytes(open(run["file"], "rb").read())
     with pytest.raises(ConfigError, match="TrainConfig.init_from: the run in .* started from"):

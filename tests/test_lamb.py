@@ -15,7 +15,9 @@ from zeroflax.deepspeed_config import from_deepspeed
 from zeroflax.optim import deepspeed_lamb
 
 from models import odd_loss, odd_params
-from test_equivalence import TOL, reference_run, relative_error
+from noise_floor import assert_matches
+from test_equivalence import reference_and_floor
+from tolerance import close
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "deepspeed_corpus")
 
@@ -63,8 +65,11 @@ def test_equals_fused_lamb_step_by_step(bias_correction, eps_inside_sqrt, wd, ma
     for g in grads:
         updates, state = opt.update([jax.numpy.asarray(x) for x in g], state, ours)
         ours = optax.apply_updates(ours, updates)
-    for a, b in zip(ours, expected):  # float32 against float64: steps of up to lr x max_coeff x |u| ~ 0.3
-        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-6, atol=2e-6)
+    # float32 against float64: 6 steps of up to lr x max_coeff x |u| ~ 0.3 each, with float32 norms in every
+    # trust ratio, leave O(1) parameters a dozen float32 ulps (1.2e-7 each) off: 1.4e-6 measured on SSE4.2.
+    # Bound 5e-6 + 5e-6 |p|: about 40 ulps; a wrong moment, bias correction or clip is off by percents.
+    for a, b in zip(ours, expected):
+        close(a, b, rtol=5e-6, atol=5e-6, what="deepspeed_lamb against FusedLamb in float64")
     assert np.any(np.asarray(ours[2]) != 0)  # the zero tensor moved (by wd 0: its gradient's direction)
 
 
@@ -93,10 +98,10 @@ def test_zero_matches_the_single_device_run(stage, n):
     batches = [{"x": rng.normal(size=(24, 7)).astype(np.float32), "y": rng.normal(size=(24, 3)).astype(np.float32)}
                for _ in range(4)]
     opt = deepspeed_lamb(1e-2, weight_decay=0.01, max_coeff=0.3)
-    reference = reference_run(odd_loss, zeroflax.unbox(params)[0], opt, batches)
+    reference, floor = reference_and_floor(odd_loss, zeroflax.unbox(params)[0], opt, batches)
     config = zeroflax.Config(zero_stage=stage, micro_batch_size=24 // n, persistence_threshold=0, grad_clip=0.0,
                              remat="dots" if stage == 3 else "none")
     engine, state = zeroflax.initialize(odd_loss, params, opt, config, devices=jax.devices()[:n])
     for batch in batches:
         state, _ = engine.step(state, batch)
-    assert relative_error(jax.device_get(engine.model_params(state)), reference) <= TOL
+    assert_matches(jax.device_get(engine.model_params(state)), reference, floor, f"lamb stage {stage} on {n} devices")

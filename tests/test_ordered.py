@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zeroflax
 from zeroflax.sharding.ordered import ordered_global_norm, ordered_psum, ordered_psum_scatter
+from tolerance import at_most, close
 
 N = 8
 
@@ -51,7 +52,8 @@ def test_reduce_scatter_is_the_sum_in_device_order(dimension):
     np.testing.assert_array_equal(whole, in_order(x))
     library = on_devices(lambda v: jax.lax.psum_scatter(v, "data", scatter_dimension=dimension, tiled=True), x)
     scale = np.abs(x).sum(0)  # the rounding of any order is within a few ulps of the summands' magnitude
-    assert np.all(np.abs(np.concatenate(list(library), axis=dimension) - whole) <= 1e-6 * scale)
+    at_most(np.max(np.abs(np.concatenate(list(library), axis=dimension) - whole) / scale), 1e-6,
+            "psum_scatter against the ordered sum, in units of the summands' magnitude")
 
 
 @pytest.mark.parametrize("shape", [(16, 24), (5, 3), ()])
@@ -62,7 +64,8 @@ def test_all_reduce_is_the_sum_in_device_order_on_every_device(shape):
     for k in range(N):
         np.testing.assert_array_equal(got[k], in_order(x))
     library = on_devices(lambda v: jax.lax.psum(v, "data"), x)
-    assert np.all(np.abs(library - got) <= 1e-6 * np.abs(x).sum(0))
+    at_most(np.max(np.abs(library - got) / np.abs(x).sum(0)), 1e-6,
+            "psum against the ordered sum, in units of the summands' magnitude")
 
 
 def test_the_norm_adds_the_split_leaves_parts_in_order_and_the_whole_leaves_once():
@@ -70,7 +73,7 @@ def test_the_norm_adds_the_split_leaves_parts_in_order_and_the_whole_leaves_once
     got = on_devices(lambda v: ordered_global_norm([v], [jnp.asarray(whole)], "data"), split)
     parts = np.stack([np.sum(np.square(split[k])) for k in range(N)])
     expected = np.sqrt(np.float64(in_order(parts)) + 45.0)
-    np.testing.assert_allclose(got, np.full(N, expected), rtol=1e-6)
+    close(got, np.full(N, expected), rtol=1e-6, what="the ordered global norm against float64")
     assert len(set(got.tolist())) == 1
 
 
@@ -100,8 +103,8 @@ def test_the_engine_with_ordered_reductions_takes_the_same_steps(stage):
         runs[ordered] = state, norms, report
     (plain, plain_norms, plain_report), (ordered, ordered_norms, ordered_report) = runs[False], runs[True]
     for k in params:
-        np.testing.assert_allclose(np.asarray(ordered.params[k]), np.asarray(plain.params[k]), atol=1e-6, rtol=0)
-    np.testing.assert_allclose(ordered_norms, plain_norms, rtol=1e-6)
+        close(ordered.params[k], plain.params[k], atol=1e-6, what="ordered reductions' parameters against psum's")
+    close(ordered_norms, plain_norms, rtol=1e-6, what="ordered reductions' gradient norms against psum's")
     assert max(plain_norms) > 2.0  # the clip acted
     assert "reduce-scatter" in plain_report.by_kind and "all-reduce" in plain_report.by_kind
     assert set(ordered_report.by_kind) == {"all-to-all", "all-gather"}

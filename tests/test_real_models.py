@@ -1,25 +1,26 @@
 """ZeRO on real models used unchanged: Flax's own examples (tests/real_models/flax_examples/SOURCES) and
 transformers' FlaxGPT2LMHeadModel (the pinned package's own file).
 
-Per model: fp32 equivalence with a plain single-device optax loop at stages 0-3, and at stage 3 in
+Per model: fp32 equivalence with a plain single-device optax loop at stages 0-3 (within a multiple of the
+loop's own rounding noise, measured in the same run: tests/noise_floor.py), and at stage 3 in
 bf16 the per-module promises: every partitioned leaf gathered where it is used (on entry only a leaf the
 model uses as a plain array outside its modules, named by the memory report), at most
 two groups' gathered weights alive at the peak, ZeRO-3's communication volume with bf16 all-gathers and
 fp32 reduce-scatters; a recurrent cell's communication the same at 12 and 48 steps. The cases and the
 library versions they need: tests/real_model_cases.py.
 """
+import dataclasses
 import functools
 import warnings
 
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 
 import zeroflax
+from noise_floor import assert_matches, noise_floor
 from real_model_cases import CASES, ON_ENTRY, case
 
-TOL = 1e-5  # as tests/test_equivalence.py (adamw lr 1e-3, eps 1e-6)
 MICRO = 2  # x 8 devices = real_model_cases.GLOBAL_BATCH: one micro-batch per step
 
 
@@ -57,9 +58,12 @@ def reference_params(name):
     return reference(case(name))
 
 
-def relative_error(a, b) -> float:
-    pairs = list(zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    return (sum(float(jnp.sum((x - y) ** 2)) for x, y in pairs) / sum(float(jnp.sum(y ** 2)) for _, y in pairs)) ** 0.5
+@functools.cache
+def reference_floor(name):
+    """The reference's rounding noise: the same loop on the batches' rows in other orders."""
+    c = case(name)
+    return noise_floor(lambda batches: reference(dataclasses.replace(c, batches=batches)), c.batches,
+                       reference_params(name))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -71,9 +75,8 @@ def test_matches_optax(name, stage):
         state, _ = engine.step(state, batch)
     if stage == 3:
         assert engine.probe_usage.failed is None, engine.probe_usage.failed
-    error = relative_error(jax.device_get(engine.model_params(state)), reference_params(name))
-    print(f"{name} stage {stage}: relative error {error:.2e}")
-    assert error <= TOL
+    assert_matches(jax.device_get(engine.model_params(state)), reference_params(name), reference_floor(name),
+                   f"{name} stage {stage}")
 
 
 @functools.cache
