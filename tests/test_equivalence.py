@@ -43,21 +43,31 @@ def seed(request):
     return request.param
 
 
-def reference_run(loss_fn, params, optimizer, batches):
-    state = optimizer.init(params)
-    for batch in batches:
+def reference_step(loss_fn, optimizer):
+    """One step of the plain single-device optax loop, jitted (one compile serves every run of it)."""
+    @jax.jit
+    def step(params, state, batch):
         grads = jax.grad(loss_fn)(params, batch, None)
         updates, state = optimizer.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-    return params
+        return optax.apply_updates(params, updates), state
+    return step
+
+
+def reference_run(loss_fn, params, optimizer, batches, step=None):
+    """The reference: the plain optax loop on one device, in float32."""
+    step = step or reference_step(loss_fn, optimizer)
+    state = optimizer.init(params)
+    for batch in batches:
+        params, state = step(params, state, batch)
+    return jax.device_get(params)
 
 
 def reference_and_floor(loss_fn, params, optimizer, batches, block=1):
     """The reference loop's parameters and their noise floor (tests/noise_floor.py)."""
-    reference = reference_run(loss_fn, params, optimizer, batches)
-    floor = noise_floor(lambda reordered: reference_run(loss_fn, params, optimizer, reordered), batches, reference,
-                        block)
-    return reference, floor
+    step = reference_step(loss_fn, optimizer)
+    run = lambda reordered: reference_run(loss_fn, params, optimizer, reordered, step)  # noqa: E731
+    reference = run(batches)
+    return reference, noise_floor(run, batches, reference, block)
 
 
 OPTIMIZERS = {"adamw": adamw, "adamw_wd": lambda: adamw(weight_decay=0.1),

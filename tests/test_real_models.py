@@ -31,13 +31,13 @@ def _initialize(c, **settings):
     return zeroflax.initialize(c.loss, c.init_arg(), optax.adamw(1e-3, eps=1e-6), config, **kwargs)
 
 
-def reference(c):
-    """A plain optax loop on one device, fp32. A model written for pmap (BatchNorm's axis_name 'batch')
-    runs under a vmap of one that binds the name: its cross-device mean is then over the whole batch."""
-    params = zeroflax.unbox(c.params)[0]
-    state = {k: c.variables[k] for k in c.model_state}
+@functools.cache
+def reference_step(name):
+    """One step of a plain optax loop on one device, fp32, jitted once per case. A model written for pmap
+    (BatchNorm's axis_name 'batch') runs under a vmap of one that binds the name: its cross-device mean is
+    then over the whole batch."""
+    c = case(name)
     opt = optax.adamw(1e-3, eps=1e-6)
-    opt_state = opt.init(params)
 
     def loss(params, batch, state):
         if not c.model_state:
@@ -46,11 +46,24 @@ def reference(c):
         value, new_state = run()
         return value[0], jax.tree.map(lambda x: x[0], new_state)
 
-    for batch in c.batches:
+    @jax.jit
+    def step(params, opt_state, state, batch):
         grads, state = jax.grad(loss, has_aux=True)(params, batch, state)
         updates, opt_state = opt.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-    return params
+        return optax.apply_updates(params, updates), opt_state, state
+
+    return opt, step
+
+
+def reference(c):
+    """The reference's parameters after c.batches, from c's initial parameters and model state."""
+    opt, step = reference_step(c.name)
+    params = zeroflax.unbox(c.params)[0]
+    state = {k: c.variables[k] for k in c.model_state}
+    opt_state = opt.init(params)
+    for batch in c.batches:
+        params, opt_state, state = step(params, opt_state, state, batch)
+    return jax.device_get(params)
 
 
 @functools.cache

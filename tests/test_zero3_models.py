@@ -19,7 +19,8 @@ import zeroflax
 from zeroflax.models.unet3d import UNet3D, UNet3DConfig, segmentation_loss, synthetic_volumes
 from zeroflax.sharding.collectives import dequantize_blocks, quantize_blocks
 from models import DeepMLP, NNXNet, ScannedMLP
-from noise_floor import assert_matches, noise_floor
+import test_equivalence as equivalence
+from noise_floor import assert_matches
 from tolerance import at_most
 
 STEPS = 5
@@ -76,19 +77,9 @@ def case(name):
 MODELS = ["linen", "scan", "unet", "nnx", "plain"]
 
 
-def reference(params, loss, batches):
-    opt = optax.adamw(1e-3, eps=1e-6)
-    state = opt.init(params)
-    for batch in batches:
-        updates, state = opt.update(jax.grad(loss)(params, batch, None), state, params)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
 def reference_and_floor(params, loss, batches):
-    """The reference's parameters and their noise floor (tests/noise_floor.py)."""
-    expected = reference(params, loss, batches)
-    return expected, noise_floor(lambda reordered: reference(params, loss, reordered), batches, expected)
+    """The plain optax loop's parameters (AdamW lr 1e-3, eps 1e-6) and their noise floor (tests/noise_floor.py)."""
+    return equivalence.reference_and_floor(loss, params, optax.adamw(1e-3, eps=1e-6), batches)
 
 
 @pytest.mark.parametrize("name", MODELS)
