@@ -25,19 +25,22 @@ runs' distances from the reference, for the whole parameter vector and for each 
 The test. zeroflax's relative error (||theta - theta_ref|| / ||theta_ref||) must be within FACTOR x floor,
 and no leaf's own relative error may exceed FACTOR x its floor (a wrong small leaf hardly moves the whole
 vector's norm). Two clamps keep the bound honest:
-- MINIMUM: a floor can come out tiny (a permutation that leaves most sums alone); below MINIMUM any error
-  passes. 1e-6 is 10x the largest error the suite's models otherwise show on any instruction set measured
-  (tools/tolerance_audit.py), and 1/1000 of what a wrong engine makes.
-- CEILING: whatever the floor, an error above 1e-4 fails. A wrong engine (one micro-batch skipped, a
-  gradient scaled wrongly, a shard updated twice) is off by a visible fraction of the parameters' movement,
-  about 1e-3 relative after 3 to 5 steps of lr 1e-3 (tests/test_noise_floor.py measures it), and a floor
-  near 1e-4 would say the comparison itself is too noisy to mean anything: make it less sensitive instead.
-The leaves' bounds are clamped the same way (LEAF_MINIMUM, LEAF_CEILING; a leaf that starts at zero
-moves by 100% of its norm, so a wrong update of it is off by order 1).
+- MINIMUM: most floors come out tiny (1e-8 to 1e-7: the suite's models mostly have no element whose terms
+  cancel), and the engine's program fuses differently from the jitted reference, so there an error can be
+  several times its floor (6.4x for nlp_seq) while both are rounding. Below MINIMUM = 1e-6 any error
+  passes: the largest error where it decides is 1.7e-7 (zero3 'scan', sequence axis), on SSE4.2 and AVX2.
+- CEILING: whatever the floor, an error above 1e-4 fails. A wrong engine is off by a visible fraction of
+  the parameters' movement, 6e-3 for a skipped micro-batch (tests/test_noise_floor.py), and a floor near
+  1e-4 would say the comparison itself is too noisy to mean anything: make it less sensitive instead.
+The leaves' bounds are clamped the same way (LEAF_MINIMUM = 1e-4, the per-leaf bound these tests had
+before, 15x the 6.4e-6 a zero-initialised bias of the GPT reached on SSE4.2; LEAF_CEILING = 0.25: a leaf
+that starts at zero moves by 100% of its norm, so a wrong update of it is off by order 1).
 
-FACTOR: the engine's error and a permuted run's distance are both reassociation noise, but not the same
-draw: over the suite's cases and the instruction sets measured, the error was at most RATIO_SEEN times the
-floor (tools/tolerance_audit.py prints the ratios); FACTOR leaves a margin above that.
+FACTOR = 8: where the floor decides the bound (Flax's ImageNet ResNet, floor 9e-6 to 1e-5; the ResNet-18 of
+tests/test_model_state.py, 5e-6 to 7e-6) the error was 0.02x to 0.65x the floor on SSE4.2 and AVX2;
+8 leaves 12x above the worst, and puts the ResNet's bound at 7.4e-5: the 1.05e-5 measured on an AVX-512
+machine passes there if that machine's floor is above 1.3e-6 (here 9.3e-6), and a skipped micro-batch
+(6.4e-3) fails by 86x. tools/tolerance_audit.py tables each run's ratios.
 """
 from __future__ import annotations
 
@@ -116,7 +119,8 @@ def assert_matches(params, reference, floor: Floor, what: str = "parameters") ->
     print(f"{what}: relative error {error:.2e}, noise floor {floor.whole:.2e}, bound {floor.bound:.2e}")
     # Both checks are recorded before either asserts, and how far the error is from the floor whatever the
     # clamps made of the bound (the audit's ratio table).
-    record("error / noise floor", error / floor.whole if floor.whole else float("inf"), FACTOR, "info")
+    ratio = error / floor.whole if floor.whole else 0.0 if error == 0 else float("inf")
+    record("error / noise floor", ratio, FACTOR, "info")
     record("worst leaf's error / its bound", leaf, 1.0)
     record("relative error", error, floor.bound)
     path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(reference)[0][worst][0])
