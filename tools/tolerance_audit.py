@@ -15,6 +15,11 @@ issue's line to act on: widen the bound with a reason, measure it against a nois
 tests' error over their noise floor (what tests/noise_floor.py's FACTOR must stay above).
 
 Exit status 1 if --under is given and some check's margin is below it.
+
+    python tools/tolerance_audit.py /tmp/native.jsonl --tests
+
+prints instead the tests that made a bound on rounding (an upper or a lower one; not a claim), one pytest
+node id a line: .ci/run reruns those under a narrower instruction set, not the whole suite.
 """
 from __future__ import annotations
 
@@ -40,6 +45,11 @@ def read(paths: list[str]) -> list[dict]:
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
     return rows
+
+
+def rounding_tests(rows: list[dict]) -> list[str]:
+    """The node ids of the tests that made at least one bound on rounding, sorted."""
+    return sorted({r["test"] for r in rows if r["kind"] in ("at_most", "at_least") and r["test"]})
 
 
 def tables(rows: list[dict], under: float | None = None, brief: bool = False) -> tuple[str, list[str]]:
@@ -107,7 +117,13 @@ def main(argv=None) -> int:
     parser.add_argument("logs", nargs="+", help="ZEROFLAX_TOLERANCE_LOG files")
     parser.add_argument("--under", type=float, help="list the checks whose smallest margin is below this; exit 1 if any")
     parser.add_argument("--brief", action="store_true", help="with --under: only the checks below it")
+    parser.add_argument("--tests", action="store_true",
+                        help="print the node ids of the tests with a bound on rounding instead of the tables")
     args = parser.parse_args(argv)
+    if args.tests:
+        tests = rounding_tests(read(args.logs))
+        print("\n".join(tests))
+        return 0 if tests else 1
     text, low = tables(read(args.logs), args.under, args.brief)
     print(text)
     if args.under is not None:
