@@ -18,8 +18,9 @@ setup: $(BIN)/zeroflax
 run: setup
 	$(BIN)/zeroflax train --gin_file experiments/gpt_tiny_zero3.gin --resume
 
-# The test suite (about 20 minutes on 2 cores), without the tests marked slow (multi-process and end-to-end
-# runs: `make test-slow`, about 10 minutes on 2 cores; CI runs both). pytest's exit code 5 (no tests collected) is a failure.
+# The test suite (19 to 28 minutes on 2 cores, by CPU), without the tests marked slow (multi-process and
+# end-to-end runs: `make test-slow`, about 10 minutes; CI runs both). pytest's exit code 5 (no tests collected)
+# is a failure.
 # PYTEST_ARGS adds pytest options, e.g. make test PYTEST_ARGS=--durations=30
 test: setup
 	$(BIN)/python -m pytest -n 2 -q -m "not slow" $(PYTEST_ARGS) tests

@@ -14,11 +14,15 @@ import tolerance
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _audit():
+def _load_audit():
+    """tools/ is not a package: the audit is loaded from its file, once."""
     spec = importlib.util.spec_from_file_location("tolerance_audit", ROOT / "tools" / "tolerance_audit.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+audit = _load_audit()
 
 
 def _row(test, kind, measured, bound=1.0, isa="native", what="relative error"):
@@ -37,11 +41,10 @@ def test_a_check_is_logged_under_the_node_id_that_reruns_it(tmp_path, monkeypatc
     assert [r["test"] for r in rows] == [request.node.nodeid] * 2
     assert {r["isa"] for r in rows} == {"SSE4_2"}
     assert rows[0]["site"] == "test_tolerance_audit.py::test_a_check_is_logged_under_the_node_id_that_reruns_it"
-    assert _audit().rounding_tests(rows) == [request.node.nodeid]
+    assert audit.rounding_tests(rows) == [request.node.nodeid]
 
 
 def test_the_rerun_list_holds_the_rounding_bounds_and_not_the_claims(tmp_path, capsys):
-    audit = _audit()
     rows = [_row("t.py::upper", "at_most", 0.1), _row("t.py::lower", "at_least", 5.0),
             _row("t.py::claim_only", "claim", 0.5), _row("t.py::ratio_only", "info", 2.0),
             _row("", "at_most", 0.1), _row("t.py::upper", "at_most", 0.2)]
@@ -55,7 +58,6 @@ def test_the_rerun_list_holds_the_rounding_bounds_and_not_the_claims(tmp_path, c
 
 
 def test_a_margin_under_the_line_is_listed_on_the_instruction_set_that_shows_it(tmp_path, capsys):
-    audit = _audit()
     rows = [_row("t.py::a", "at_most", 0.1, isa="native"), _row("t.py::a", "at_most", 0.4, isa="SSE4_2"),
             _row("t.py::b", "at_least", 30.0, bound=8.0, what="wrong engine / bound")]
     assert audit.margin(rows[0]) == pytest.approx(10.0)
