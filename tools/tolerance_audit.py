@@ -19,7 +19,8 @@ Exit status 1 if --under is given and some check's margin is below it.
     python tools/tolerance_audit.py /tmp/native.jsonl --tests
 
 prints instead the tests that made a bound on rounding (an upper or a lower one; not a claim), one pytest
-node id a line: .ci/run reruns those under a narrower instruction set, not the whole suite.
+node id a line; `--below 40` only those with such a bound whose margin is under 40x: .ci/run reruns those
+under a narrower instruction set, not the whole suite (docs/tolerances.md says why 40).
 """
 from __future__ import annotations
 
@@ -47,9 +48,11 @@ def read(paths: list[str]) -> list[dict]:
     return rows
 
 
-def rounding_tests(rows: list[dict]) -> list[str]:
-    """The node ids of the tests that made at least one bound on rounding, sorted."""
-    return sorted({r["test"] for r in rows if r["kind"] in ("at_most", "at_least") and r["test"]})
+def rounding_tests(rows: list[dict], below: float | None = None) -> list[str]:
+    """The node ids of the tests that made at least one bound on rounding, sorted; with `below`, only
+    those with a bound whose margin (smallest over the runs logged) is under it."""
+    return sorted({r["test"] for r in rows if r["kind"] in ("at_most", "at_least") and r["test"]
+                   and (below is None or margin(r) < below)})
 
 
 def tables(rows: list[dict], under: float | None = None, brief: bool = False) -> tuple[str, list[str]]:
@@ -119,9 +122,11 @@ def main(argv=None) -> int:
     parser.add_argument("--brief", action="store_true", help="with --under: only the checks below it")
     parser.add_argument("--tests", action="store_true",
                         help="print the node ids of the tests with a bound on rounding instead of the tables")
+    parser.add_argument("--below", type=float,
+                        help="with --tests: only the tests with a bound on rounding whose margin is below this")
     args = parser.parse_args(argv)
     if args.tests:
-        tests = rounding_tests(read(args.logs))
+        tests = rounding_tests(read(args.logs), args.below)
         print("\n".join(tests))
         return 0 if tests else 1
     text, low = tables(read(args.logs), args.under, args.brief)
