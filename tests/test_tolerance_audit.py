@@ -74,18 +74,18 @@ def test_a_margin_under_the_line_is_listed_on_the_instruction_set_that_shows_it(
 
 
 def test_below_keeps_the_tests_with_a_narrow_margin_on_any_of_their_bounds(tmp_path, capsys):
-    """CI reruns under SSE4.2 only the tests with a bound under 40x natively: a test with one narrow
+    """CI reruns under SSE4.2 only the tests with a bound under 30x natively: a test with one narrow
     bound among wide ones is kept, one whose every bound is wide is left out, a lower bound counts by
     its own margin (measured over bound)."""
     rows = [_row("t.py::narrow", "at_most", 0.1), _row("t.py::narrow", "at_most", 0.05),  # 10x, 20x
             _row("t.py::wide", "at_most", 0.001), _row("t.py::mixed", "at_most", 0.001),  # 1000x
             _row("t.py::mixed", "at_most", 0.5),  # 2x
             _row("t.py::lower_wide", "at_least", 500.0), _row("t.py::lower_narrow", "at_least", 5.0)]
-    assert audit.rounding_tests(rows, below=40) == ["t.py::lower_narrow", "t.py::mixed", "t.py::narrow"]
+    assert audit.rounding_tests(rows, below=30) == ["t.py::lower_narrow", "t.py::mixed", "t.py::narrow"]
     assert audit.rounding_tests(rows) == ["t.py::lower_narrow", "t.py::lower_wide", "t.py::mixed", "t.py::narrow",
                                           "t.py::wide"]
     path = tmp_path / "log.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert audit.main([str(path), "--tests", "--below", "40"]) == 0
+    assert audit.main([str(path), "--tests", "--below", "30"]) == 0
     assert capsys.readouterr().out.split() == ["t.py::lower_narrow", "t.py::mixed", "t.py::narrow"]
     assert audit.main([str(path), "--tests", "--below", "1.5"]) == 1  # nothing that narrow: CI fails, reruns nothing

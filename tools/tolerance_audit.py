@@ -19,8 +19,8 @@ Exit status 1 if --under is given and some check's margin is below it.
     python tools/tolerance_audit.py /tmp/native.jsonl --tests
 
 prints instead the tests that made a bound on rounding (an upper or a lower one; not a claim), one pytest
-node id a line; `--below 40` only those with such a bound whose margin is under 40x: .ci/run reruns those
-under a narrower instruction set, not the whole suite (docs/tolerances.md says why 40).
+node id a line; `--below 30` only those with such a bound whose margin is under 30x: .ci/run reruns those
+under a narrower instruction set, not the whole suite (docs/tolerances.md says why 30).
 """
 from __future__ import annotations
 
