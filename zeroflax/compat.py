@@ -66,3 +66,15 @@ def lowering_for_gpu(mesh: jax.sharding.Mesh | None = None, *,
     target = target.update(abstract_device=device)
     with jax.sharding.use_abstract_mesh(target):
         yield target if mesh is not None else None
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """(constants, carried values) of a `scan` equation's inputs, which are its constants, its carry and its
+    scanned inputs, in that order (zeroflax/sharding/uses.py reads them).
+    jax <= 0.10: the equation's `num_consts` and `num_carry`.
+    jax >= 0.11: `ft_in`, a flat tree of the three kinds (constants, carry, scanned inputs), one value per input."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].elts
+    return len(list(consts.vals)), len(list(carry.vals))
+

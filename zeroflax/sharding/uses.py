@@ -32,6 +32,8 @@ import jax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
+from zeroflax.compat import scan_counts
+
 # A value's kind: DATA, CONSTANT, or a weight view, which is the frozenset of (leaf, per_iteration) it
 # derives from.
 DATA = "data"
@@ -135,7 +137,7 @@ class _Walk:
     def scan(self, eqn, in_kinds: list, loops: tuple[str, ...]) -> list:
         params = eqn.params
         body = params["jaxpr"].jaxpr
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        n_consts, n_carry = scan_counts(params)
         consts, carry, xs = (in_kinds[:n_consts], in_kinds[n_consts:n_consts + n_carry],
                              in_kinds[n_consts + n_carry:])
         # A scanned input's slice: the same leaves, one layer at a time.
