@@ -39,9 +39,6 @@ from zeroflax.compat import scan_counts
 DATA = "data"
 CONSTANT = "constant"
 
-_LOOPS_WITH_SCANNED_INPUTS = ("scan",)
-_LOOPS = ("scan", "while")
-
 
 @dataclasses.dataclass(frozen=True)
 class Use:
@@ -124,9 +121,8 @@ class _Walk:
         if inner and all(len(j.invars) == len(eqn.invars) for j in inner) and any(
                 isinstance(k, frozenset) for k in in_kinds):
             # A call (jit, checkpoint, custom_jvp/vjp, shard_map): its jaxpr's inputs are the equation's.
-            outs = None
-            for j in inner[:1]:  # the primal jaxpr; a custom rule's other jaxprs run on the same values
-                outs = self.nested(eqn, j, in_kinds, loops)
+            # The first is the primal jaxpr; a custom rule's other jaxprs run on the same values.
+            outs = self.nested(eqn, inner[0], in_kinds, loops)
             if len(outs) == len(eqn.outvars):
                 return outs
         kind = _join(in_kinds)
