@@ -19,6 +19,7 @@ from zeroflax.sharding.handles import ShardedLeaf
 from zeroflax.sharding.linen_groups import loss_scope
 from zeroflax.sharding.mesh import DATA_AXIS, TENSOR_AXIS, sequence_size
 from zeroflax.sharding.policy import LeafPlacement, ShardingPlan, is_placement
+from zeroflax.sharding.relocate import gathered_on_entry, relocated
 from zeroflax.sharding.remat import loss_remat_policy
 
 
@@ -57,13 +58,15 @@ class LossTrace:
         loss, aux = _split_loss_output(out)
         return loss, aux, new_state
 
-    def params_for_compute(self, params, point_of_use: set, sources=None):
+    def params_for_compute(self, params, point_of_use: set, sources=None, at_use=None):
         """Inside shard_map: turn at-rest parameters into what the loss sees (compute dtype).
 
         At ZeRO-3 a partitioned leaf reaches the loss as a `ShardedLeaf` handle when it is gathered
         where it is used (`point_of_use`: leaf indices, and every stack of layers); any other leaf is
         gathered here, on entry. `sources` (offload_param; flattened, None where not streamed) are the
-        host shards that the gathers stream, `params` holding their device gradient sinks.
+        host shards that the gathers stream, `params` holding their device gradient sinks. `at_use`: a dict
+        that gets the handle of each leaf whose entry gather is marked to be moved to its uses
+        (`relocated_leaves`; `sharding.relocate`), or None.
         """
         config = self.config
         dtype = config.compute_dtype
@@ -81,7 +84,12 @@ class LossTrace:
                 dim, sliced = placement.zero_dim - first, placement.auto_spec()[first:]
                 handle = ShardedLeaf(leaf, dim, placement.zero_axis, dtype, tuple(placement.shape[first:]), index, block,
                                      sliced, sources[index], placement.pad)
-                return handle if placement.stacked or index in point_of_use else handle._gathered()
+                if placement.stacked or index in point_of_use:
+                    return handle
+                if at_use is not None and index in self.relocated_leaves():
+                    at_use[index] = handle
+                    return gathered_on_entry(handle, index)
+                return handle._gathered()
             return leaf.astype(dtype)
 
         return jax.tree.unflatten(treedef, [prepare(i, p, x) for i, (p, x) in enumerate(zip(placements, leaves))])
@@ -105,11 +113,19 @@ class LossTrace:
 
     def traced(self, ctx: LayerContext, point_of_use: set, params, batch, rng, model_state, sources=None):
         """The user's loss as the engine traces it (inside shard_map): under the loss scope (context,
-        Linen groups), on compute-dtype parameters (handles for `point_of_use`) and batch."""
+        Linen groups), on compute-dtype parameters (handles for `point_of_use`) and batch; the leaves of
+        `relocated_leaves` gathered at each of their uses (`sharding.relocate`)."""
+        relocate = bool(self.relocated_leaves()) and not ctx.usage.probe and sources is None
+
         def loss(params, batch, rng, model_state):
             with loss_scope(ctx):
-                return self.call(self.params_for_compute(params, point_of_use, sources),
-                                 floats_to(batch, self.config.compute_dtype), rng, model_state)
+                if not relocate:
+                    return self.call(self.params_for_compute(params, point_of_use, sources),
+                                     floats_to(batch, self.config.compute_dtype), rng, model_state)
+                at_use: dict = {}
+                marked = lambda p, b, r, m: self.call(self.params_for_compute(p, point_of_use, None, at_use), b, r, m)
+                return relocated(marked, at_use, self.leaf_paths())(
+                    params, floats_to(batch, self.config.compute_dtype), rng, model_state)
 
         policy = loss_remat_policy(ctx.remat)
         probe = self.probe_usage
@@ -137,6 +153,20 @@ class LossTrace:
         return treedef.unflatten(sinks), [x if s else None for x, s in zip(leaves, streamed)]
 
     # ---------------------------------------------------------------------------- the probe
+    def relocated_leaves(self) -> frozenset:
+        """The ZeRO-3 leaves the loss uses as plain arrays (a tied head's `wte.T`, `x @ w`): gathered at
+        each of their uses (`sharding.relocate`) instead of on entry. Not under a pipeline (a stage's
+        loss is its own trace) or with offload_param (its gathers stream from the host)."""
+        usage = self.probe_usage
+        if (self.config.zero_stage != 3 or usage is None or usage.failed or active_stage() is not None
+                or any(self.plan.streamed())):
+            return frozenset()
+        return frozenset(usage.raw)
+
+    def leaf_paths(self) -> dict[int, str]:
+        paths = jax.tree_util.tree_flatten_with_path(self.plan.placements, is_leaf=is_placement)[0]
+        return {i: jax.tree_util.keystr(path) for i, (path, _) in enumerate(paths)}
+
     def point_of_use(self) -> set:
         usage = self.probe_usage
         if usage is None or usage.failed:
@@ -151,6 +181,8 @@ class LossTrace:
         reasons = {}
         for index, (path, placement) in enumerate(paths):
             if placement.zero_dim is None or placement.stacked or index in point_of_use:
+                continue
+            if index in self.relocated_leaves():  # gathered at each use, where the step meets it
                 continue
             if usage is None or usage.failed:
                 why = f"the loss cannot run on handles ({usage.failed if usage else 'not traced yet'})"

@@ -1,0 +1,144 @@
+"""ZeRO-3 gathers moved from the loss's entry to each use of the parameter (issue 42, first step).
+
+A ZeRO-3 leaf that no module, group or scan gathers itself (a tied head's `wte.T`, `x @ w`, `w[ids]`, a
+leaf shared by several groups) used to be gathered once when the loss starts and kept to the backward
+pass: the largest tensor of most language models, the tied token embedding, whole on every device for the
+whole step. Here the loss is traced once to a jaxpr with each such gather marked (`gathered_on_entry`),
+and the jaxpr is evaluated with the marked gathers left out: their results become *lazy* values (the
+handle, and the weight-only equations that follow it: a transpose, a cast), and each equation where a
+lazy value meets the data (`zeroflax/sharding/uses.py` calls that a use) runs as a gather group of its
+own (`sharding.groups.run_group`): the leaf is gathered just before that equation, dropped after it,
+gathered again for its backward pass, and its gradient reduce-scattered there. A tied embedding is then
+gathered at the lookup and at the head, never between.
+
+Every other equation is evaluated as `jax.core.eval_jaxpr` would (same primitives, same parameters, the
+same source information and name stack, so the groups the module interceptor made keep their names in
+the compiled program's metadata, where the memory report finds them). An equation that holds jaxprs (a
+`jit`, a `scan`, a `custom_vjp`, a `cond`) and takes a lazy value runs whole inside one group: correct, and
+no worse than on entry, but a stack of layers read by a plain `scan` is then gathered whole for that scan
+(per-iteration gathers there need the stacked dimension known when the leaf is sharded: next step).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from zeroflax.sharding.groups import run_group
+from zeroflax.sharding.handles import ShardedLeaf
+
+MARK = "zeroflax_gathered_on_entry_"
+
+
+def gathered_on_entry(handle: ShardedLeaf, index: int):
+    """`handle` gathered, marked in the jaxpr as the entry gather of leaf `index` (a named jit call)."""
+    def gather(shard, source):
+        return dataclasses.replace(handle, shard=shard, source=source)._gathered()
+
+    gather.__name__ = f"{MARK}{index}"
+    return jax.jit(gather)(handle.shard, handle.source)
+
+
+def _marked_leaf(eqn) -> int | None:
+    name = eqn.params.get("name") if eqn.primitive.name in ("pjit", "jit") else None
+    if isinstance(name, str) and name.startswith(MARK):
+        return int(name[len(MARK):])
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lazy:
+    """A value computed from parameters alone, not computed yet: the handles it needs (leaf index ->
+    handle) and how to build it from those leaves gathered."""
+
+    handles: dict
+    build: Callable[[dict], Any]
+
+
+def _bind(eqn, values: Sequence[Any]):
+    """`eqn` applied to `values`, as `jax.core.eval_jaxpr` applies it (source information, name stack)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+class _Evaluation:
+    def __init__(self, templates: dict[int, ShardedLeaf], names: dict[int, str]):
+        self.templates, self.names = templates, names
+        self.uses = 0
+
+    def run(self, jaxpr, consts, args) -> list:
+        env: dict = {}
+        read = lambda atom: atom.val if isinstance(atom, jcore.Literal) else env[atom]
+        for var, value in zip(jaxpr.constvars, consts):
+            env[var] = value
+        for var, value in zip(jaxpr.invars, args):
+            env[var] = value
+        for eqn in jaxpr.eqns:
+            values = [read(v) for v in eqn.invars]
+            leaf = _marked_leaf(eqn)
+            if leaf is not None:
+                template = self.templates[leaf]
+                handle = dataclasses.replace(template, shard=values[0], source=values[1] if len(values) > 1 else None)
+                outs = [_Lazy({leaf: handle}, lambda gathered, leaf=leaf: gathered[leaf])]
+            elif any(isinstance(v, _Lazy) for v in values):
+                outs = self.lazy_or_use(eqn, values)
+            else:
+                outs = _bind(eqn, values)
+            for var, value in zip(eqn.outvars, outs):
+                env[var] = value
+        return [self.materialize(read(v)) for v in jaxpr.outvars]
+
+    def lazy_or_use(self, eqn, values: list) -> list:
+        lazies = [v for v in values if isinstance(v, _Lazy)]
+        handles = {k: h for lazy in lazies for k, h in lazy.handles.items()}
+        weight_only = all(isinstance(v, _Lazy) or isinstance(a, jcore.Literal) for v, a in zip(values, eqn.invars))
+        if weight_only and not list(jcore.jaxprs_in_params(eqn.params)):
+            # A transpose, a cast, a scale by a literal: built after the gather, inside the use's group.
+            def build(gathered, i):
+                return _bind(eqn, [v.build(gathered) if isinstance(v, _Lazy) else v for v in values])[i]
+
+            return [_Lazy(handles, lambda gathered, i=i: build(gathered, i)) for i in range(len(eqn.outvars))]
+        return self.use(eqn, values, handles)
+
+    def use(self, eqn, values: list, handles: dict) -> list:
+        """`eqn` as a gather group of its own: the lazy inputs gathered and built inside it."""
+        positions = [i for i, v in enumerate(values) if not isinstance(v, _Lazy)]
+        dynamic = [values[i] for i in positions]
+
+        def apply(gathered, *dyn):
+            full = [v.build(gathered) if isinstance(v, _Lazy) else None for v in values]
+            for i, x in zip(positions, dyn):
+                full[i] = x
+            return _bind(eqn, full)
+
+        self.uses += 1
+        leaves = ", ".join(self.names.get(k, str(k)) for k in sorted(handles))
+        return run_group(apply, {k: handles[k] for k in sorted(handles)}, tuple(dynamic),
+                         name=f"{eqn.primitive.name}({leaves})")
+
+    def materialize(self, value):
+        """A lazy output of the loss (a weight returned or reduced alone) built in a group of its own."""
+        if not isinstance(value, _Lazy):
+            return value
+        handles = {k: value.handles[k] for k in sorted(value.handles)}
+        return run_group(lambda gathered: value.build(gathered), handles, (), name="output")
+
+
+def relocated(fn: Callable, templates: dict[int, ShardedLeaf], names: dict[int, str]) -> Callable:
+    """`fn` (whose entry gathers are marked with `gathered_on_entry`) with each marked gather moved to
+    the uses of its leaf. `templates`: leaf index -> its handle as traced (shape, axis, dtype);
+    `names`: leaf index -> its path, for the groups' names."""
+    def call(*args):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        flat = jax.tree.leaves(args)
+        outs = _Evaluation(templates, names).run(closed.jaxpr, closed.consts, flat)
+        return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+    return call
