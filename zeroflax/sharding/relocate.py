@@ -53,10 +53,26 @@ def _marked_leaf(eqn) -> int | None:
 @dataclasses.dataclass(frozen=True)
 class _Lazy:
     """A value computed from parameters alone, not computed yet: the handles it needs (leaf index ->
-    handle) and how to build it from those leaves gathered."""
+    handle) and how to build it from those leaves gathered; `root`: the leaf, when the value is that
+    leaf itself (no equation applied yet), which a scan can then read one slice per iteration."""
 
     handles: dict
     build: Callable[[dict], Any]
+    root: int | None = None
+
+
+def _leaf(index: int) -> Callable[[dict], Any]:
+    return lambda gathered: gathered[index]
+
+
+def _per_iteration(handle: ShardedLeaf) -> ShardedLeaf | None:
+    """The handle of a stack read by a scan, as one whose slices (along its first dimension) are each
+    gathered on their own; None where its partitioned dimension is the first (one slice is then on one
+    device only, and the scan gets it whole)."""
+    if handle.stacked or handle.dim < 1 or len(handle.shape) < 2:
+        return None
+    sliced = handle.sliced[1:] if handle.sliced else handle.sliced
+    return dataclasses.replace(handle, dim=handle.dim - 1, shape=tuple(handle.shape[1:]), sliced=sliced)
 
 
 def _bind(eqn, values: Sequence[Any]):
@@ -86,7 +102,7 @@ class _Evaluation:
             if leaf is not None:
                 template = self.templates[leaf]
                 handle = dataclasses.replace(template, shard=values[0], source=values[1] if len(values) > 1 else None)
-                outs = [_Lazy({leaf: handle}, lambda gathered, leaf=leaf: gathered[leaf])]
+                outs = [_Lazy({leaf: handle}, _leaf(leaf), root=leaf)]
             elif any(isinstance(v, _Lazy) for v in values):
                 outs = self.lazy_or_use(eqn, values)
             else:
@@ -98,6 +114,10 @@ class _Evaluation:
     def lazy_or_use(self, eqn, values: list) -> list:
         lazies = [v for v in values if isinstance(v, _Lazy)]
         handles = {k: h for lazy in lazies for k, h in lazy.handles.items()}
+        if eqn.primitive.name == "scan":
+            outs = self.scan_per_iteration(eqn, values)
+            if outs is not None:
+                return outs
         weight_only = all(isinstance(v, _Lazy) or isinstance(a, jcore.Literal) for v, a in zip(values, eqn.invars))
         if weight_only and not list(jcore.jaxprs_in_params(eqn.params)):
             # A transpose, a cast, a scale by a literal: built after the gather, inside the use's group.
@@ -119,9 +139,40 @@ class _Evaluation:
             return _bind(eqn, full)
 
         self.uses += 1
-        leaves = ", ".join(self.names.get(k, str(k)) for k in sorted(handles))
+        leaves = ":".join(self.names.get(k, str(k)) for k in sorted(handles))
         return run_group(apply, {k: handles[k] for k in sorted(handles)}, tuple(dynamic),
-                         name=f"{eqn.primitive.name}({leaves})")
+                         name=f"{eqn.primitive.name}:{leaves}")
+
+    def scan_per_iteration(self, eqn, values: list) -> list | None:
+        """A scan that reads parameter stacks as its scanned inputs, run again with each stack as a handle
+        sliced per iteration, so that each iteration gathers its own slice where the body uses it (and its
+        backward pass gathers it again). None where that cannot be done: a parameter among the scan's
+        constants or initial carry (used whole at every iteration), a stack transformed before the scan,
+        or one partitioned along its first dimension; the scan then runs whole inside one group."""
+        params = eqn.params
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        consts, init, xs = values[:n_consts], values[n_consts:n_consts + n_carry], values[n_consts + n_carry:]
+        if any(isinstance(v, _Lazy) for v in consts + init):
+            return None
+        stacks = {}
+        for i, v in enumerate(xs):
+            if isinstance(v, _Lazy):
+                handle = _per_iteration(v.handles[v.root]) if v.root is not None else None
+                if handle is None:
+                    return None
+                stacks[i] = (v.root, handle)
+        body = params["jaxpr"]
+        scanned = [stacks[i][1] if i in stacks else v for i, v in enumerate(xs)]
+
+        def step(carry, sliced):
+            sliced = [_Lazy({stacks[i][0]: x}, _leaf(stacks[i][0]), root=stacks[i][0]) if i in stacks else x
+                      for i, x in enumerate(sliced)]
+            outs = self.run(body.jaxpr, body.consts, list(consts) + list(carry) + sliced)
+            return outs[:n_carry], outs[n_carry:]
+
+        carry, ys = jax.lax.scan(step, list(init), scanned, length=params["length"], reverse=params["reverse"],
+                                 unroll=params["unroll"])
+        return list(carry) + list(ys)
 
     def materialize(self, value):
         """A lazy output of the loss (a weight returned or reduced alone) built in a group of its own."""

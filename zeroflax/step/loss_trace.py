@@ -153,19 +153,27 @@ class LossTrace:
         return treedef.unflatten(sinks), [x if s else None for x, s in zip(leaves, streamed)]
 
     # ---------------------------------------------------------------------------- the probe
+    def can_relocate(self) -> bool:
+        """Whether gathers on entry can be moved to the uses (`sharding.relocate`): at stage 3, not under a
+        pipeline (a stage's loss is its own trace) nor with offload_param (its gathers stream from the host)."""
+        return self.config.zero_stage == 3 and active_stage() is None and not any(self.plan.streamed())
+
     def relocated_leaves(self) -> frozenset:
-        """The ZeRO-3 leaves the loss uses as plain arrays (a tied head's `wte.T`, `x @ w`): gathered at
-        each of their uses (`sharding.relocate`) instead of on entry. Not under a pipeline (a stage's
-        loss is its own trace) or with offload_param (its gathers stream from the host)."""
+        """The ZeRO-3 leaves gathered at each of their uses (`sharding.relocate`) instead of on entry: those
+        the loss uses as plain arrays (a tied head's `wte.T`, `x @ w`), and every one when the loss cannot
+        run on handles at all (a plain `lax.scan` over a dict of stacked arrays: each iteration then
+        gathers its own slice)."""
         usage = self.probe_usage
-        if (self.config.zero_stage != 3 or usage is None or usage.failed or active_stage() is not None
-                or any(self.plan.streamed())):
+        if usage is None or not self.can_relocate():
             return frozenset()
+        if usage.failed:
+            return frozenset(range(len(jax.tree.leaves(self.plan.placements, is_leaf=is_placement))))
         return frozenset(usage.raw)
 
     def leaf_paths(self) -> dict[int, str]:
+        """Leaf index -> its path as `layers/w_in` (a group's name in the HLO's metadata ends at a `]`)."""
         paths = jax.tree_util.tree_flatten_with_path(self.plan.placements, is_leaf=is_placement)[0]
-        return {i: jax.tree_util.keystr(path) for i, (path, _) in enumerate(paths)}
+        return {i: jax.tree_util.keystr(path, simple=True, separator="/") for i, (path, _) in enumerate(paths)}
 
     def point_of_use(self) -> set:
         usage = self.probe_usage
@@ -236,7 +244,7 @@ class LossTrace:
                                   "add it to Config.data_axis_aliases if it means the data-parallel devices "
                                   "(code written for pmap, e.g. sync BatchNorm)") from error
             usage.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            if self.config.zero_stage == 3:
+            if self.config.zero_stage == 3 and not self.can_relocate():
                 hint = (" A stack of layers run by nn.scan needs the logical name 'layers' on its stacked dimension "
                         "of every leaf above Config.persistence_threshold." if "stack of layers" in str(error) else "")
                 warnings.warn(f"zeroflax: the loss cannot run on ZeRO-3 parameter handles ({usage.failed}); every "
