@@ -3,9 +3,11 @@ step on 8 simulated CPU devices, bf16 compute. Compile-only: nothing is trained.
 
     python benchmarks/zero3_models.py [--json runs/zero3_models.json] [--quick]
 
-1. One model (12 residual blocks d 512 -> 2048 -> 512, Psi = 25.2M) written four ways: unscanned Linen
-   (12 Block modules), Linen nn.scan, zeroflax.scan_layers, and a plain jax.lax.scan over stacked
-   parameters (its body a zeroflax.group). Stage 3: XLA temporaries, gathered weights alive at the peak
+1. One model (12 residual blocks d 512 -> 2048 -> 512, Psi = 25.2M) written six ways: unscanned Linen
+   (12 Block modules), Linen nn.scan (its stacked dimension named 'layers'), zeroflax.scan_layers, a
+   plain jax.lax.scan over stacked parameters with its body a zeroflax.group, and as a user who never
+   heard of zeroflax writes it (issue 42): a plain jax.lax.scan over a dict of arrays, no names, no
+   group; a Linen nn.scan of plain nn.Dense named 'blocks', no logical names. Stage 3: XLA temporaries, gathered weights alive at the peak
    (schedule analysis) against the two largest groups, collective bytes against (2 b_c + b_g) Psi (N-1)/N.
    The unscanned model also at 24 blocks, and with prefetch off (max_live_parameters 0).
 2. The 3D U-Net at 32^3 (channels 32-256) and a ResNet-18 (BatchNorm, 224x224 images, 8 per device; a
@@ -29,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax import linen as nn  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -68,13 +71,45 @@ def lax_scan_loss(params, batch, rng):
     return jnp.mean(jnp.square(x.astype(jnp.float32)))
 
 
+def plain_scan_loss(params, batch, rng):
+    x, _ = jax.lax.scan(lambda x, p: (block_fn(p, x), None), batch["x"], params)
+    return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+
+class _PlainBlock(nn.Module):
+    d: int
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.Dense(self.d)(jax.nn.gelu(nn.Dense(self.hidden)(x))), None
+
+
+class UnnamedScannedMLP(nn.Module):
+    """The stack as an nn.scan of plain nn.Dense, named 'blocks', with no logical names anywhere."""
+
+    blocks: int
+    d: int
+    hidden: int
+    out: int
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(_PlainBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.blocks)
+        x, _ = stack(self.d, self.hidden, name="blocks")(x, None)
+        return nn.Dense(self.out)(x)
+
+
 def mlp_case(kind, blocks, d, hidden, seq, micro):
     batch = {"x": np.zeros((8 * micro, seq, d), np.float32)}
-    if kind in ("linen", "nn.scan"):
-        model = (DeepMLP if kind == "linen" else ScannedMLP)(blocks=blocks, d=d, hidden=hidden, out=d)
+    if kind in ("linen", "nn.scan", "nn.scan unnamed"):
+        model = {"linen": DeepMLP, "nn.scan": ScannedMLP, "nn.scan unnamed": UnnamedScannedMLP}[kind](
+            blocks=blocks, d=d, hidden=hidden, out=d)
         # The head maps back to d so every way has the same parameter count up to one d x d matrix.
         init = lambda rng, b: model.init(rng, b["x"][:1])["params"]
         return mean_square(lambda p, x: model.apply({"params": p}, x)), init, batch, None
+    if kind == "lax.scan plain":
+        return plain_scan_loss, lambda rng, b: stacked_params(rng, blocks, d, hidden), batch, None
     loss = scan_layers_loss if kind == "scan_layers" else lax_scan_loss
     return loss, lambda rng, b: stacked_params(rng, blocks, d, hidden), batch, STACKED_NAMES
 
@@ -115,7 +150,7 @@ def main(argv=None):
     def log(what):
         print(f"{what} ({time.time() - started:.0f} s)", flush=True)
 
-    for kind in ("linen", "nn.scan", "scan_layers", "lax.scan+group"):
+    for kind in ("linen", "nn.scan", "scan_layers", "lax.scan+group", "lax.scan plain", "nn.scan unnamed"):
         loss, init, batch, names = mlp_case(kind, 12, d, hidden, seq, micro)
         results["mlp"][kind] = measure(loss, init, batch, names)
         log(f"mlp {kind}")
