@@ -190,9 +190,9 @@ def test_remat_without_regions_warns():
         engine.step(state, batch)
 
 
-def test_plain_leaves_without_gather_are_gathered_on_entry():
-    """A loss that uses its parameters as arrays keeps working: those leaves are gathered on entry,
-    and the memory report names them."""
+def test_plain_leaves_without_gather_are_gathered_at_their_use():
+    """A loss that uses its parameters as arrays keeps working: those leaves are gathered at their use
+    (a group of its own, which the memory report names), nothing on entry."""
     params = plain_params(jax.random.PRNGKey(0))
 
     def loss(p, batch, rng):
@@ -206,8 +206,10 @@ def test_plain_leaves_without_gather_are_gathered_on_entry():
     engine, state = zeroflax.initialize(loss, params, optax.sgd(0.1), config)
     state, metrics = engine.step(state, batch)
     assert np.isfinite(float(metrics["loss"]))
-    assert engine.gathered_on_entry() == ["['head']"]
-    assert "gathered on entry" in str(zeroflax.memory_report(engine, state, batch))
+    assert engine.gathered_on_entry() == []
+    memory = zeroflax.memory_report(engine, state, batch)
+    assert "gathered on entry" not in str(memory)
+    assert "dot_general:head" in engine.trace.gather_usage.groups, engine.trace.gather_usage.groups
 
 
 def test_quantize_blocks_round_trip():
