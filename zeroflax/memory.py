@@ -373,8 +373,13 @@ def memory_report(engine, state, batch) -> MemoryReport:
     gathered = {}
     if engine.config.zero_stage == 3:
         peak, by_group, wide = gathered_weights_at_peak(compiled.as_text(), np.dtype(engine.config.compute_dtype).itemsize)
+        # The probe's groups, and those only the step has: each use of a leaf gathered where the program
+        # uses it (sharding/relocate.py), which the probe (on handles) does not make.
+        groups = dict(engine.probe_usage.groups)
+        step_usage = engine.trace.gather_usage
+        groups.update({k: v for k, v in (step_usage.groups if step_usage else {}).items() if k not in groups})
         gathered = dict(gathered_peak=peak, gathered_by_group=by_group, gathered_wide_copies=wide,
-                        groups=dict(engine.probe_usage.groups), gathered_on_entry=engine.gathered_on_entry_reasons())
+                        groups=groups, gathered_on_entry=engine.gathered_on_entry_reasons())
     full_opt = sum(_bytes(x) for x in jax.tree.leaves(plan.abstract_opt_state))
     pipe, tensor = engine.mesh.shape.get(PIPE_AXIS, 1), engine.mesh.shape.get(TENSOR_AXIS, 1)
     offload = {}
