@@ -28,6 +28,7 @@ import jax
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
+from zeroflax.compat import scan_counts
 from zeroflax.sharding.groups import run_group
 from zeroflax.sharding.handles import ShardedLeaf
 
@@ -150,7 +151,7 @@ class _Evaluation:
         constants or initial carry (used whole at every iteration), a stack transformed before the scan,
         or one partitioned along its first dimension; the scan then runs whole inside one group."""
         params = eqn.params
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        n_consts, n_carry = scan_counts(params)
         consts, init, xs = values[:n_consts], values[n_consts:n_consts + n_carry], values[n_consts + n_carry:]
         if any(isinstance(v, _Lazy) for v in consts + init):
             return None
