@@ -35,7 +35,11 @@ vector's norm). Two clamps keep the bound honest:
   1e-4 would say the comparison itself is too noisy to mean anything: make it less sensitive instead.
 The leaves' bounds are clamped the same way (LEAF_MINIMUM = 1e-4, the per-leaf bound these tests had
 before, 15x the 6.4e-6 a zero-initialised bias of the GPT reached on SSE4.2; LEAF_CEILING = 0.25: a leaf
-that starts at zero moves by 100% of its norm, so a wrong update of it is off by order 1).
+that starts at zero moves by 100% of its norm, so a wrong update of it is off by order 1). A leaf whose own
+floor is above LEAF_CEILING carries no signal: the reference does not agree with itself on it (BERT's
+attention key biases, whose gradient is zero in exact arithmetic because softmax ignores a shift shared by
+all keys: Adam turns the rounding left in it into whole-sized steps of either sign, floor 0.47 in
+transformers' FlaxBertForMaskedLM). It is not judged alone; the whole vector's check still counts it.
 
 FACTOR = 8: where the floor decides the bound (Flax's ImageNet ResNet, floor 9e-6 to 1e-5; the ResNet-18 of
 tests/test_model_state.py, 5e-6 to 7e-6) the error was 0.01x to 0.65x the floor on SSE4.2 and AVX2;
@@ -107,7 +111,8 @@ def noise_floor(run_reference: Callable[[Sequence], object], batches: Sequence, 
 
 def excess(params, reference, floor: Floor) -> tuple[float, float, int]:
     """(relative error / its bound, the worst leaf's error / its bound, that leaf's index): both <= 1 pass."""
-    ratios = [e / floor.leaf_bound(i) for i, e in enumerate(leaf_errors(params, reference))]
+    ratios = [0.0 if floor.leaves[i] > LEAF_CEILING else e / floor.leaf_bound(i)
+              for i, e in enumerate(leaf_errors(params, reference))]
     worst = int(np.argmax(ratios))
     return relative_error(params, reference) / floor.bound, ratios[worst], worst
 

@@ -6,8 +6,8 @@ and a few fixed-seed batches. Dropout is off (deterministic), so each case can b
 single-device optax loop. `case(name, seq_len=...)` changes the sequence length of the sequence models
 (the recurrent-cell checks compare 12 and 48 steps).
 
-Library versions: Flax's example files need only flax (linen), jax and numpy; hf_gpt2 needs transformers
-4.46.3 (the test extra). Measured with flax 0.12.8 on jax 0.10.2.
+Library versions: Flax's example files need only flax (linen), jax and numpy; the hf_* cases need
+transformers 4.46.3 (the test extra). Measured with flax 0.12.8 on jax 0.10.2.
 """
 from __future__ import annotations
 
@@ -208,8 +208,96 @@ def hf_gpt2(seq_len: int = 12) -> Case:
     return Case("hf_gpt2", {"params": model.params}, loss, batches)
 
 
+def _clip_with_numpy_keywords():
+    """transformers 4.46's Flax T5 calls `jnp.clip(x, a_max=...)`, numpy's keyword names, which jax 0.10
+    removed (it takes `min`/`max`): `jnp.clip` is wrapped, for this process, to accept them too. The model's
+    file stays as published; only the removed spelling is translated."""
+    clip = jnp.clip
+    if getattr(clip, "accepts_numpy_keywords", False):
+        return
+
+    @functools.wraps(clip)
+    def accepting(x, min=None, max=None, *, a_min=None, a_max=None, **kwargs):
+        return clip(x, a_min if min is None else min, a_max if max is None else max, **kwargs)
+
+    accepting.accepts_numpy_keywords = True
+    jnp.clip = accepting
+
+
+def hf_t5(seq_len: int = 12) -> Case:
+    """transformers' FlaxT5ForConditionalGeneration (transformers==4.46.3), random init from a config: the
+    encoder, the decoder and the LM head share one embedding, the head reaching it as `shared.embedding.T`
+    (a raw use outside any module); the decoder's input is the target shifted right, as T5's trainer does."""
+    from transformers import FlaxT5ForConditionalGeneration, T5Config
+
+    _clip_with_numpy_keywords()
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0)
+    model = FlaxT5ForConditionalGeneration(config, seed=0, dtype=jnp.float32)
+    module = model.module
+    rng = np.random.default_rng(7)
+    batches = [{"inputs": _tokens(rng, 64, seq_len), "targets": _tokens(rng, 64, seq_len)} for _ in range(STEPS)]
+
+    def loss(params, batch, rng):
+        inputs, targets = batch["inputs"], batch["targets"]
+        decoder_inputs = jnp.concatenate([jnp.zeros_like(targets[:, :1]), targets[:, :-1]], axis=1)
+        logits = module.apply({"params": params}, inputs, jnp.ones_like(inputs), decoder_inputs,
+                              jnp.ones_like(decoder_inputs), deterministic=True)[0]
+        return _cross_entropy(logits, targets)
+
+    return Case("hf_t5", {"params": model.params}, loss, batches)
+
+
+def hf_bert(seq_len: int = 12) -> Case:
+    """transformers' FlaxBertForMaskedLM (transformers==4.46.3), random init from a config: its decoder is the
+    word embedding, reached as `word_embeddings.embedding.T` outside any module; the loss predicts every
+    token (no masking: the test compares steps, not BERT's objective)."""
+    from transformers import BertConfig, FlaxBertForMaskedLM
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    model = FlaxBertForMaskedLM(config, seed=0, dtype=jnp.float32)
+    module = model.module
+    rng = np.random.default_rng(8)
+    batches = [{"tokens": _tokens(rng, 64, seq_len)} for _ in range(STEPS)]
+
+    def loss(params, batch, rng):
+        tokens = batch["tokens"]
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        logits = module.apply({"params": params}, tokens, jnp.ones_like(tokens), jnp.zeros_like(tokens), positions,
+                              None, deterministic=True)[0]
+        return _cross_entropy(logits, tokens)
+
+    return Case("hf_bert", {"params": model.params}, loss, batches)
+
+
+def hf_llama(seq_len: int = 12) -> Case:
+    """transformers' FlaxLlamaForCausalLM (transformers==4.46.3), random init from a config: rotary
+    positions, RMSNorm, grouped-query attention (2 key-value heads for 4), an untied head."""
+    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = FlaxLlamaForCausalLM(config, seed=0, dtype=jnp.float32)
+    module = model.module
+    rng = np.random.default_rng(9)
+    batches = [{"tokens": _tokens(rng, 64, seq_len)} for _ in range(STEPS)]
+
+    def loss(params, batch, rng):
+        tokens = batch["tokens"]
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        logits = module.apply({"params": params}, tokens, jnp.ones_like(tokens), positions, deterministic=True)[0]
+        return _cross_entropy(logits, tokens)
+
+    return Case("hf_llama", {"params": model.params}, loss, batches)
+
+
+# The cases whose model reuses one cell at every step of a scan, named here so that collecting the tests
+# does not build every model.
+RECURRENT = ("seq2seq", "sst2")
 CASES = {"lm1b": lm1b, "wmt": wmt, "nlp_seq": nlp_seq, "imagenet": imagenet, "sst2": sst2, "seq2seq": seq2seq,
-         "hf_gpt2": hf_gpt2}
+         "hf_gpt2": hf_gpt2, "hf_t5": hf_t5, "hf_bert": hf_bert, "hf_llama": hf_llama}
 # The leaves each case's step gathers on entry, with a word of the reason the memory report gives: a
 # plain-array use outside any module (GPT-2's tied head), a parameter shared by several groups (wmt's
 # embedding: encoder, decoder, logits) kept within Config.max_reuse_distance.

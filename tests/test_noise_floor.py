@@ -69,3 +69,17 @@ def test_a_wrong_engine_fails_the_equivalence_check(case, mutation, monkeypatch)
     print(f"{case}, {mutation}: relative error {relative_error(params, reference):.2e}, bound {floor.bound:.2e}; "
           f"the whole vector at {whole:.3g}x its bound, the worst leaf at {leaf:.3g}x")
     at_least(max(whole, leaf), MARGIN, "a wrong engine's error over its bound")
+
+
+def test_a_leaf_without_signal_is_judged_only_within_the_whole():
+    """A leaf the reference does not reproduce itself (floor above LEAF_CEILING) is not judged alone, any
+    other leaf is: the same error on a leaf with a tight floor fails."""
+    import numpy as np
+    from noise_floor import LEAF_CEILING, Floor
+
+    reference = {"a": np.ones(4, np.float32), "b": np.full(4, 1e-3, np.float32)}
+    params = {"a": np.ones(4, np.float32), "b": np.full(4, -1e-3, np.float32)}  # b off by 200%
+    noisy = Floor(whole=1e-7, leaves=(1e-8, 2 * LEAF_CEILING))
+    tight = Floor(whole=1e-7, leaves=(1e-8, 1e-8))
+    assert excess(params, reference, noisy)[1] == 0.0
+    at_least(excess(params, reference, tight)[1], 1.0, "the same leaf with a tight floor fails")

@@ -167,6 +167,9 @@ class CommReport:
     # pipe/tensor part), and the bytes of the theory that are theirs.
     padded_params: int = 0
     padding_bytes: float = 0.0
+    # Stage 3: leaf path -> how many gather groups gather it, where more than one (each use of a tied
+    # embedding): the theory moves the leaf's volume once per group.
+    repeated_gathers: dict = dataclasses.field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -188,6 +191,9 @@ class CommReport:
         lines.append(f"  {'total':<20}{'':>8}{self.total_bytes / 2**20:>12.2f}")
         covers = f" ({' + '.join(sorted(self.theory_by_axis))} only)" if len(self.by_axis) > 1 else ""
         lines.append(f"  {'theory' + covers:<20}{'':>8}{self.theory_bytes / 2**20:>12.2f}   ratio {self.ratio:.3f}")
+        if self.repeated_gathers:
+            each = ", ".join(f"{path} x{count}" for path, count in sorted(self.repeated_gathers.items()))
+            lines.append(f"  {'  gathered per use':<20}{'':>8}{'':>12}   (the theory moves each once per group: {each})")
         if self.padded_params:
             lines.append(f"  {'  of it padding':<20}{'':>8}{self.padding_bytes / 2**20:>12.2f}   "
                          f"({self.padded_params:,} zeros the padded leaves move with them)")
@@ -364,13 +370,30 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     local = local_true if stage == 0 else (
         engine.zero_size * _local_elements((leaves, with_data, placements), None, lambda p: p.zero_dim is not None)
         + _local_elements((leaves, without_data, placements), None, lambda p: p.zero_dim is None))
+    # A leaf that several gather groups gather (a tied embedding at the lookup and at the head, each use its
+    # own group: sharding/relocate.py) moves stage 3's volume once per group: each gathers it for its forward
+    # and its backward and reduce-scatters its share of the gradient (a single reduce-scatter would keep the
+    # whole gradient alive between the uses). The theory counts each such group.
+    # A lookup (`w[ids]`) gathers only for its forward pass: its gradient is a scatter of the cotangent.
+    repeated, repeat_elements = {}, 0.0
+    usage = engine.gather_usage
+    if stage == 3 and usage is not None:
+        paths, lookups = engine.trace.leaf_paths(), usage.lookups_by_leaf()
+        per_use = 2 * compute + grad
+        for index, count in sorted(usage.gathers_by_leaf().items()):
+            if count > 1 or lookups.get(index):
+                if count > 1:
+                    repeated[paths[index]] = count
+                shard = math.prod(with_data[index].shard_shape(stored_shape(leaves[index].shape, with_data[index])))
+                volume = count * per_use - lookups.get(index, 0) * compute  # in units of one element
+                repeat_elements += (volume / per_use - 1) * engine.zero_size * shard
     accum = engine.config.grad_accum_steps
     # The gradient sync's own theory over `data` (ZeRO's volume, or 1-bit Adam's compressed exchange).
     data_theory = lambda params: engine.sync.data_axis_bytes(
         theory_bytes(stage, params, engine.zero_size, compute, grad, accum, offload), stage, grad, engine.clock.of(
             engine.sync, phase))
     zero_key = "+".join(axis_names(zero_axes(engine.mesh)))  # 'data', or 'data+sequence'
-    theory_by_axis = {zero_key: data_theory(local)}
+    theory_by_axis = {zero_key: data_theory(local + repeat_elements)}
     if engine.schedule is not None and stage >= 2:
         # Under a pipeline stages 2 and 3 reduce (and, at 3, gather) per micro-batch and tick, a stage's
         # backward tick recomputes its forward (gathering again at 3), and only the first and last
@@ -391,7 +414,6 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         shared = _local_elements((leaves, grads, placements), None, lambda p: not p.stacked)
         theory_by_axis[PIPE_AXIS] = permute_theory + 2 * grad * shared * (S - 1) / S
     tensor = engine.mesh.shape.get(TENSOR_AXIS, 1)
-    usage = engine.gather_usage
     sliced = [p for p in placements if TENSOR_AXIS in p.base]
     if tensor > 1 and usage is not None and usage.layer_carry_bytes and any(p.stacked for p in sliced):
         # Megatron's volume for the stack of layers (an all-reduce moves 2 R (T-1)/T; sequence parallelism's
@@ -431,8 +453,8 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
         # With a pipe or tensor axis the whole-step theory is the sum of the axes that have one.
         theory_bytes=(sum(theory_by_axis.values()) if len(engine.mesh.shape) > 1 and
                       (engine.mesh.shape.get(PIPE_AXIS, 1) > 1 or engine.mesh.shape.get(TENSOR_AXIS, 1) > 1
-                       or sequence > 1) else data_theory(local)),
+                       or sequence > 1) else data_theory(local + repeat_elements)),
         phase=phase, padded_params=local - local_true, padding_bytes=data_theory(local) - data_theory(local_true),
         unknown_trip_count=unknown, collectives=[dataclasses.asdict(c) for c in collectives],
         by_axis=by_axis, theory_by_axis=theory_by_axis, permute_bytes=permute, permute_theory=permute_theory,
-        **transfers)
+        repeated_gathers=repeated, **transfers)

@@ -28,6 +28,10 @@ class GatherUsage:
     sequence_slices, sequence_attentions: calls of `sequence_slice` and `sequence_attention` (a sequence axis).
     scan_owners: Flax modules found running a lifted transform over shared (unstacked) parameters.
     group_calls: every group call in the order traced, with the handles (leaf indices) it gathers.
+    lookups: leaf index -> how many of its gather groups read it at integer positions only (see
+        `lookups_by_leaf`).
+    loss_traces: how many times the step traced the loss (twice with gradient accumulation: once for the
+        shapes, once in the scan), by which `gathers_by_leaf` divides.
     """
 
     probe: bool = False
@@ -44,6 +48,25 @@ class GatherUsage:
     scan_owners: set = dataclasses.field(default_factory=set)  # Flax module paths: see LayerContext
     group_calls: list = dataclasses.field(default_factory=list)  # (group name, elements, leaf indices) in order
     lifted_in_groups: int = 0  # Flax modules met inside a group but bound to another scope tree (nn.scan, nn.RNN)
+    loss_traces: int = 0
+    lookups: dict = dataclasses.field(default_factory=dict)  # leaf index -> its uses read at integer positions only
+
+    def lookups_by_leaf(self) -> dict[int, int]:
+        """Leaf index -> how many of its gather groups (`gathers_by_leaf`) per trace of the loss are lookups
+        (`sharding.relocate`): their backward pass needs no parameters, so they gather only forward."""
+        traces = max(self.loss_traces, 1)
+        return {index: count // traces for index, count in self.lookups.items()}
+
+    def gathers_by_leaf(self) -> dict[int, int]:
+        """Leaf index -> how many group calls gather it in one trace of the loss: more than one for a leaf
+        gathered at each of several uses (a tied embedding at the lookup and the head). A stack gathered a
+        slice per iteration counts once: its group is traced once and gathers the stack once in all."""
+        counts: dict[int, int] = {}
+        for _, _, leaves in self.group_calls:
+            for index in leaves:
+                counts[index] = counts.get(index, 0) + 1
+        traces = max(self.loss_traces, 1)
+        return {index: count // traces for index, count in counts.items()}
 
 
 @dataclasses.dataclass(frozen=True)

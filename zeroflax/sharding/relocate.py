@@ -25,10 +25,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
 from zeroflax.compat import scan_counts
+from zeroflax.sharding.context import current_context
 from zeroflax.sharding.groups import run_group
 from zeroflax.sharding.handles import ShardedLeaf
 
@@ -55,15 +57,74 @@ def _marked_leaf(eqn) -> int | None:
 class _Lazy:
     """A value computed from parameters alone, not computed yet: the handles it needs (leaf index ->
     handle) and how to build it from those leaves gathered; `root`: the leaf, when the value is that
-    leaf itself (no equation applied yet), which a scan can then read one slice per iteration."""
+    leaf itself (no equation applied yet), which a scan can then read one slice per iteration; `linear`:
+    whether the value is linear in the leaves (then a use that meets only integers, a lookup, does not need
+    the leaves again for its backward pass)."""
 
     handles: dict
     build: Callable[[dict], Any]
     root: int | None = None
+    linear: bool = True  # built from the leaves by linear equations only (a cast, a transpose)
 
 
 def _leaf(index: int) -> Callable[[dict], Any]:
     return lambda gathered: gathered[index]
+
+
+# Equations linear in their one parameter input when every other input is a literal or an integer (a
+# cast, a transpose, a lookup `w[ids]`): a use built of these alone, whose results are its outputs, has a
+# backward pass that scatters the cotangent and needs no parameters, so it gathers them only forward.
+_LINEAR = {"convert_element_type", "transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
+           "rev", "copy", "neg", "mul", "div", "reduce_sum", "gather", "dynamic_slice"}
+# Equations that pass each input to the output in its place (a tie between a gather and its anchor).
+_PER_OPERAND = {"optimization_barrier"}
+# Sums: linear in each input, whatever the other (a gather tied to its anchor by adding a zero).
+_SUMS = {"add", "sub", "add_any"}
+
+
+def _linear_in(eqns, tainted: set) -> bool:
+    """Whether the values in `tainted` (parameters) go through linear equations only and meet no
+    floating-point value on the way: then a pass over `eqns` is linear in the parameters, its backward
+    pass does not need them. Jaxprs inside equations (a `jit`, a `custom_vjp` call, a checkpoint) are
+    followed; a loop or a branch is taken to need them."""
+    is_var = lambda a: not isinstance(a, jcore.Literal)
+    for eqn in eqns:
+        hit = [is_var(a) and a in tainted for a in eqn.invars]
+        if not any(hit):
+            continue
+        name = eqn.primitive.name
+        if name in _PER_OPERAND:
+            tainted.update(o for o, h in zip(eqn.outvars, hit) if h)
+            continue
+        inner = list(jcore.jaxprs_in_params(eqn.params))
+        if inner:
+            jaxpr = inner[0]
+            if len(inner) != 1 or name in ("scan", "while", "cond") or len(jaxpr.invars) != len(eqn.invars):
+                return False
+            inside = {v for v, h in zip(jaxpr.invars, hit) if h}
+            if not _linear_in(jaxpr.eqns, inside):
+                return False
+            tainted.update(o for o, v in zip(eqn.outvars, jaxpr.outvars) if is_var(v) and v in inside)
+            continue
+        others = [a for a, h in zip(eqn.invars, hit) if not h]
+        if name in _SUMS:
+            tainted.update(eqn.outvars)
+            continue
+        if name not in _LINEAR or sum(hit) != 1 or any(
+                is_var(a) and jnp.issubdtype(a.aval.dtype, jnp.inexact) for a in others):
+            return False
+        tainted.update(eqn.outvars)
+    return True
+
+
+def _is_lookup(eqn, values: Sequence[Any]) -> bool:
+    """Whether a use is linear in its parameters (`_linear_in`): an embedding lookup `w[ids]`, `jnp.take`,
+    an embedding module's gather group; its backward pass needs no parameters, so only its forward gathers."""
+    lazies = [v for v in values if isinstance(v, _Lazy)]
+    if not all(v.linear for v in lazies):
+        return False
+    tainted = {a for a, v in zip(eqn.invars, values) if isinstance(v, _Lazy) and not isinstance(a, jcore.Literal)}
+    return _linear_in([eqn], tainted)
 
 
 def _per_iteration(handle: ShardedLeaf) -> ShardedLeaf | None:
@@ -125,7 +186,9 @@ class _Evaluation:
             def build(gathered, i):
                 return _bind(eqn, [v.build(gathered) if isinstance(v, _Lazy) else v for v in values])[i]
 
-            return [_Lazy(handles, lambda gathered, i=i: build(gathered, i)) for i in range(len(eqn.outvars))]
+            linear = _is_lookup(eqn, values)
+            return [_Lazy(handles, lambda gathered, i=i: build(gathered, i), linear=linear)
+                    for i in range(len(eqn.outvars))]
         return self.use(eqn, values, handles)
 
     def use(self, eqn, values: list, handles: dict) -> list:
@@ -140,6 +203,10 @@ class _Evaluation:
             return _bind(eqn, full)
 
         self.uses += 1
+        ctx = current_context()
+        if ctx is not None and ctx.usage is not None and _is_lookup(eqn, values):
+            for index in handles:
+                ctx.usage.lookups[index] = ctx.usage.lookups.get(index, 0) + 1
         leaves = ":".join(self.names.get(k, str(k)) for k in sorted(handles))
         return run_group(apply, {k: handles[k] for k in sorted(handles)}, tuple(dynamic),
                          name=f"{eqn.primitive.name}:{leaves}")

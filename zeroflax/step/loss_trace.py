@@ -118,6 +118,7 @@ class LossTrace:
         relocate = bool(self.relocated_leaves()) and not ctx.usage.probe and sources is None
 
         def loss(params, batch, rng, model_state):
+            ctx.usage.loss_traces += 1
             with loss_scope(ctx):
                 if not relocate:
                     return self.call(self.params_for_compute(params, point_of_use, sources),
