@@ -330,6 +330,13 @@ def _split_variables(tree, collections: tuple):
     return tree["params"], {c: tree[c] for c in collections}
 
 
+def _is_init_function(params) -> bool:
+    """Whether `params` is an init function rather than the parameters: a callable that is no pytree of
+    arrays (an Equinox module, or its arrays from `eqx.partition`, is callable and a pytree: parameters)."""
+    leaves = jax.tree.leaves(params)
+    return callable(params) and len(leaves) == 1 and leaves[0] is params
+
+
 def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformation, config: Config, *,
                sample_batch=None, logical_axes=None, devices=None, rng=None,
                model_state: tuple[str, ...] = (), abstract: bool = False) -> tuple[Engine, TrainState]:
@@ -361,7 +368,7 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
     base_rng = jax.random.PRNGKey(config.seed) if rng is None else rng
     init_rng, step_rng = jax.random.split(base_rng)
 
-    if callable(params):
+    if _is_init_function(params):
         init_args = (init_rng,) if sample_batch is None else (init_rng, sample_batch)
         init_fn = params
         abstract_tree, abstract_state = _split_variables(jax.eval_shape(init_fn, *init_args), collections)
@@ -380,7 +387,7 @@ def initialize(loss_fn: Callable, params, optimizer: optax.GradientTransformatio
 
     state_sharding = engine.state_shardings.model_state
     stored = lambda tree: fit(tree, plan.abstract_params, plan.params)  # padded where partitioned unevenly
-    if callable(params):
+    if _is_init_function(params):
         def init_all(*args):
             tree, state_tree = _split_variables(init_fn(*args), collections)
             return stored(unbox(tree)[0]), (unbox(state_tree)[0] if collections else None)

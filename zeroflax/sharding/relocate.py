@@ -1,22 +1,25 @@
-"""ZeRO-3 gathers moved from the loss's entry to each use of the parameter (issue 42, first step).
+"""ZeRO-3 gathers moved from the loss's entry to each use of the parameter, read from the program (issue 42).
 
-A ZeRO-3 leaf that no module, group or scan gathers itself (a tied head's `wte.T`, `x @ w`, `w[ids]`, a
-leaf shared by several groups) used to be gathered once when the loss starts and kept to the backward
-pass: the largest tensor of most language models, the tied token embedding, whole on every device for the
-whole step. Here the loss is traced once to a jaxpr with each such gather marked (`gathered_on_entry`),
-and the jaxpr is evaluated with the marked gathers left out: their results become *lazy* values (the
-handle, and the weight-only equations that follow it: a transpose, a cast), and each equation where a
-lazy value meets the data (`zeroflax/sharding/uses.py` calls that a use) runs as a gather group of its
-own (`sharding.groups.run_group`): the leaf is gathered just before that equation, dropped after it,
-gathered again for its backward pass, and its gradient reduce-scattered there. A tied embedding is then
-gathered at the lookup and at the head, never between.
+A ZeRO-3 leaf that no module, group or scan gathers itself (a tied head's `wte.T`, `x @ w`, `w[ids]`), and
+every leaf of a loss that cannot run on handles at all (a plain `lax.scan` over a dict of stacked arrays,
+an `nn.scan` without the 'layers' name), used to be gathered once when the loss starts and kept to the
+backward pass: the tied token embedding, the largest tensor of most language models, or the whole model,
+on every device for the whole step. Here the loss is traced once to a jaxpr with each such gather marked
+(`gathered_on_entry`), and the jaxpr is evaluated with the marked gathers left out: their results become
+*lazy* values (the handle, and the weight-only equations that follow it: a transpose, a cast), and
+
+- each equation where a lazy value meets the data (`zeroflax/sharding/uses.py` calls that a use) runs as a
+  gather group of its own (`sharding.groups.run_group`): the leaf is gathered just before it, dropped
+  after it, gathered again for its backward pass (unless the use is a lookup, `_linear_in`), and its
+  gradient reduce-scattered there. A tied embedding is gathered at the lookup and at the head, never between;
+- a `scan` that takes stacks as its scanned inputs runs again with each stack as a handle sliced per
+  iteration (`scan_per_iteration`): each iteration gathers its layer, checkpointed, as `scan_layers` does.
 
 Every other equation is evaluated as `jax.core.eval_jaxpr` would (same primitives, same parameters, the
 same source information and name stack, so the groups the module interceptor made keep their names in
-the compiled program's metadata, where the memory report finds them). An equation that holds jaxprs (a
-`jit`, a `scan`, a `custom_vjp`, a `cond`) and takes a lazy value runs whole inside one group: correct, and
-no worse than on entry, but a stack of layers read by a plain `scan` is then gathered whole for that scan
-(per-iteration gathers there need the stacked dimension known when the leaf is sharded: next step).
+the compiled program's metadata, where the memory report finds them). Any other equation that holds
+jaxprs (a `jit`, a `custom_vjp`, a `cond`, a loop over a stack read whole at each iteration) and takes a
+lazy value runs whole inside one group: correct, and no worse than on entry.
 """
 from __future__ import annotations
 
@@ -32,7 +35,9 @@ from jax.extend import source_info_util
 from zeroflax.compat import scan_counts
 from zeroflax.sharding.context import current_context
 from zeroflax.sharding.groups import run_group
-from zeroflax.sharding.handles import ShardedLeaf
+from zeroflax.sharding.handles import ShardedLeaf, gather
+from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END
+from zeroflax.sharding.remat import mark_boundary, remat_policy
 
 MARK = "zeroflax_gathered_on_entry_"
 
@@ -213,8 +218,9 @@ class _Evaluation:
 
     def scan_per_iteration(self, eqn, values: list) -> list | None:
         """A scan that reads parameter stacks as its scanned inputs, run again with each stack as a handle
-        sliced per iteration, so that each iteration gathers its own slice where the body uses it (and its
-        backward pass gathers it again). None where that cannot be done: a parameter among the scan's
+        sliced per iteration: each iteration is a layer, gathered whole at its start and dropped after it,
+        checkpointed with Config.remat's policy, so its backward pass gathers it once more, as
+        `zeroflax.scan_layers` runs a stack. None where that cannot be done: a parameter among the scan's
         constants or initial carry (used whole at every iteration), a stack transformed before the scan,
         or one partitioned along its first dimension; the scan then runs whole inside one group."""
         params = eqn.params
@@ -231,12 +237,29 @@ class _Evaluation:
                 stacks[i] = (v.root, handle)
         body = params["jaxpr"]
         scanned = [stacks[i][1] if i in stacks else v for i, v in enumerate(xs)]
+        leaves = sorted(k for k, _ in stacks.values())
+        name = f"layer:{self.names.get(leaves[0], leaves[0])}"
+        ctx = current_context()
+        if ctx is not None and ctx.usage is not None:
+            size = sum(h.size for _, h in stacks.values())
+            ctx.usage.groups[name] = size
+            ctx.usage.group_calls.append((name, size, frozenset(leaves)))
 
         def step(carry, sliced):
-            sliced = [_Lazy({stacks[i][0]: x}, _leaf(stacks[i][0]), root=stacks[i][0]) if i in stacks else x
-                      for i, x in enumerate(sliced)]
+            # The scope names the layer's gathers in the HLO's metadata, where the memory report finds them.
+            with jax.named_scope(f"{GROUP_SCOPE}{name}{GROUP_SCOPE_END}"):
+                sliced = [gather(x) if i in stacks else x for i, x in enumerate(sliced)]
             outs = self.run(body.jaxpr, body.consts, list(consts) + list(carry) + sliced)
             return outs[:n_carry], outs[n_carry:]
+
+        # Config.remat per iteration, as zeroflax.scan_layers applies it: a layer's activations (and its
+        # gathered weights) are recomputed in its backward pass, the carries kept.
+        policy = remat_policy(ctx.remat) if ctx is not None else None
+        if policy is not None:
+            checkpointed = jax.checkpoint(step, policy=policy, prevent_cse=False)
+            step = lambda carry, sliced: checkpointed(mark_boundary(carry), sliced)
+            if ctx.usage is not None:
+                ctx.usage.remat_regions += 1
 
         carry, ys = jax.lax.scan(step, list(init), scanned, length=params["length"], reverse=params["reverse"],
                                  unroll=params["unroll"])

@@ -131,8 +131,12 @@ class LossTrace:
         policy = loss_remat_policy(ctx.remat)
         probe = self.probe_usage
         # Under a pipeline a stage's backward recomputes the stage anyway (and its output leaves the
-        # loss through the stage hook, which a checkpoint would not let it do).
+        # loss through the stage hook, which a checkpoint would not let it do). A loss the probe could not
+        # run is placed by the program (`sharding.relocate`), each use and each scanned layer with its own
+        # remat: the loss's policy, which keeps every group's output, would keep them for every layer too
+        # (an nn.scan of Dense modules: 3.7x the temporaries).
         if (policy is None or ctx.usage.probe or probe is None or not probe.remat_regions
+                or (probe.failed and self.can_relocate())
                 or active_stage() is not None):
             return loss(params, batch, rng, model_state)
         # Config.remat reaches the code between the checkpointed blocks too (a stem, pooling, the head
