@@ -370,7 +370,7 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     local = local_true if stage == 0 else (
         engine.zero_size * _local_elements((leaves, with_data, placements), None, lambda p: p.zero_dim is not None)
         + _local_elements((leaves, without_data, placements), None, lambda p: p.zero_dim is None))
-    # A leaf that several gather groups gather (a tied embedding at the lookup and at the head, each use its
+    # A leaf the placement pass gathers in several groups (a tied embedding at the lookup and at the head, each use its
     # own group: sharding/relocate.py) moves stage 3's volume once per group: each gathers it for its forward
     # and its backward and reduce-scatters its share of the gradient (a single reduce-scatter would keep the
     # whole gradient alive between the uses). The theory counts each such group.
@@ -378,14 +378,14 @@ def comm_report(engine, state, batch, phase: str | None = None) -> CommReport:
     repeated, repeat_elements = {}, 0.0
     usage = engine.gather_usage
     if stage == 3 and usage is not None:
-        paths, lookups = engine.trace.leaf_paths(), usage.lookups_by_leaf()
+        paths = engine.trace.leaf_paths()
         per_use = 2 * compute + grad
-        for index, count in sorted(usage.gathers_by_leaf().items()):
-            if count > 1 or lookups.get(index):
+        for index, (count, lookups) in sorted(usage.placed_by_leaf().items()):
+            if count > 1 or lookups:
                 if count > 1:
                     repeated[paths[index]] = count
                 shard = math.prod(with_data[index].shard_shape(stored_shape(leaves[index].shape, with_data[index])))
-                volume = count * per_use - lookups.get(index, 0) * compute  # in units of one element
+                volume = count * per_use - lookups * compute  # in units of one element
                 repeat_elements += (volume / per_use - 1) * engine.zero_size * shard
     accum = engine.config.grad_accum_steps
     # The gradient sync's own theory over `data` (ZeRO's volume, or 1-bit Adam's compressed exchange).

@@ -28,10 +28,10 @@ class GatherUsage:
     sequence_slices, sequence_attentions: calls of `sequence_slice` and `sequence_attention` (a sequence axis).
     scan_owners: Flax modules found running a lifted transform over shared (unstacked) parameters.
     group_calls: every group call in the order traced, with the handles (leaf indices) it gathers.
-    lookups: leaf index -> how many of its gather groups read it at integer positions only (see
-        `lookups_by_leaf`).
+    placed: leaf index -> how many gather groups the placement pass (`sharding.relocate`) made for it: one
+        per use, or one for a scanned stack; `lookups`: how many of those read it at integer positions only.
     loss_traces: how many times the step traced the loss (twice with gradient accumulation: once for the
-        shapes, once in the scan), by which `gathers_by_leaf` divides.
+        shapes, once in the scan), by which `placed_by_leaf` divides.
     """
 
     probe: bool = False
@@ -49,24 +49,17 @@ class GatherUsage:
     group_calls: list = dataclasses.field(default_factory=list)  # (group name, elements, leaf indices) in order
     lifted_in_groups: int = 0  # Flax modules met inside a group but bound to another scope tree (nn.scan, nn.RNN)
     loss_traces: int = 0
-    lookups: dict = dataclasses.field(default_factory=dict)  # leaf index -> its uses read at integer positions only
+    placed: dict = dataclasses.field(default_factory=dict)
+    lookups: dict = dataclasses.field(default_factory=dict)
 
-    def lookups_by_leaf(self) -> dict[int, int]:
-        """Leaf index -> how many of its gather groups (`gathers_by_leaf`) per trace of the loss are lookups
-        (`sharding.relocate`): their backward pass needs no parameters, so they gather only forward."""
+    def placed_by_leaf(self) -> dict[int, tuple[int, int]]:
+        """Leaf index -> (groups, lookups among them) the placement pass made for it in one trace of the
+        loss. More than one group: a leaf gathered at each of several uses (a tied embedding at the lookup
+        and at the head); a lookup's backward pass needs no parameters, so it gathers only forward. Counted
+        from the pass itself, not from `group_calls`, where a module a lifted transform traces twice (an
+        nn.scan body) would count twice."""
         traces = max(self.loss_traces, 1)
-        return {index: count // traces for index, count in self.lookups.items()}
-
-    def gathers_by_leaf(self) -> dict[int, int]:
-        """Leaf index -> how many group calls gather it in one trace of the loss: more than one for a leaf
-        gathered at each of several uses (a tied embedding at the lookup and the head). A stack gathered a
-        slice per iteration counts once: its group is traced once and gathers the stack once in all."""
-        counts: dict[int, int] = {}
-        for _, _, leaves in self.group_calls:
-            for index in leaves:
-                counts[index] = counts.get(index, 0) + 1
-        traces = max(self.loss_traces, 1)
-        return {index: count // traces for index, count in counts.items()}
+        return {index: (count // traces, self.lookups.get(index, 0) // traces) for index, count in self.placed.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,6 +132,18 @@ def _is_lookup(eqn, values: Sequence[Any]) -> bool:
     return _linear_in([eqn], tainted)
 
 
+def _count_placed(leaves, lookup: bool) -> None:
+    """Note one more group of the pass for each of `leaves` (and whether it is a lookup), for the
+    communication report's theory (`GatherUsage.placed_by_leaf`)."""
+    ctx = current_context()
+    if ctx is None or ctx.usage is None:
+        return
+    for index in leaves:
+        ctx.usage.placed[index] = ctx.usage.placed.get(index, 0) + 1
+        if lookup:
+            ctx.usage.lookups[index] = ctx.usage.lookups.get(index, 0) + 1
+
+
 def _per_iteration(handle: ShardedLeaf) -> ShardedLeaf | None:
     """The handle of a stack read by a scan, as one whose slices (along its first dimension) are each
     gathered on their own; None where its partitioned dimension is the first (one slice is then on one
@@ -208,10 +220,7 @@ class _Evaluation:
             return _bind(eqn, full)
 
         self.uses += 1
-        ctx = current_context()
-        if ctx is not None and ctx.usage is not None and _is_lookup(eqn, values):
-            for index in handles:
-                ctx.usage.lookups[index] = ctx.usage.lookups.get(index, 0) + 1
+        _count_placed(handles, _is_lookup(eqn, values))
         leaves = ":".join(self.names.get(k, str(k)) for k in sorted(handles))
         return run_group(apply, {k: handles[k] for k in sorted(handles)}, tuple(dynamic),
                          name=f"{eqn.primitive.name}:{leaves}")
@@ -240,6 +249,7 @@ class _Evaluation:
         leaves = sorted(k for k, _ in stacks.values())
         name = f"layer:{self.names.get(leaves[0], leaves[0])}"
         ctx = current_context()
+        _count_placed(leaves, lookup=False)
         if ctx is not None and ctx.usage is not None:
             size = sum(h.size for _, h in stacks.values())
             ctx.usage.groups[name] = size
