@@ -194,9 +194,14 @@ def hf_gpt2(seq_len: int = 12) -> Case:
 
     config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0)
-    model = FlaxGPT2LMHeadModel(config, seed=0, dtype=jnp.float32)
+    return _causal_lm("hf_gpt2", FlaxGPT2LMHeadModel(config, seed=0, dtype=jnp.float32), seq_len, seed=6)
+
+
+def _causal_lm(name: str, model, seq_len: int, seed: int) -> Case:
+    """A transformers causal LM (its module called as its own `__call__` calls it: ids, attention mask,
+    positions) trained to predict its input tokens, on fixed-seed batches."""
     module = model.module
-    rng = np.random.default_rng(6)
+    rng = np.random.default_rng(seed)
     batches = [{"tokens": _tokens(rng, 64, seq_len)} for _ in range(STEPS)]
 
     def loss(params, batch, rng):
@@ -205,7 +210,7 @@ def hf_gpt2(seq_len: int = 12) -> Case:
         logits = module.apply({"params": params}, tokens, jnp.ones_like(tokens), positions, deterministic=True)[0]
         return _cross_entropy(logits, tokens)
 
-    return Case("hf_gpt2", {"params": model.params}, loss, batches)
+    return Case(name, {"params": model.params}, loss, batches)
 
 
 def _clip_with_numpy_keywords():
@@ -279,18 +284,7 @@ def hf_llama(seq_len: int = 12) -> Case:
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = FlaxLlamaForCausalLM(config, seed=0, dtype=jnp.float32)
-    module = model.module
-    rng = np.random.default_rng(9)
-    batches = [{"tokens": _tokens(rng, 64, seq_len)} for _ in range(STEPS)]
-
-    def loss(params, batch, rng):
-        tokens = batch["tokens"]
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        logits = module.apply({"params": params}, tokens, jnp.ones_like(tokens), positions, deterministic=True)[0]
-        return _cross_entropy(logits, tokens)
-
-    return Case("hf_llama", {"params": model.params}, loss, batches)
+    return _causal_lm("hf_llama", FlaxLlamaForCausalLM(config, seed=0, dtype=jnp.float32), seq_len, seed=9)
 
 
 # The cases whose model reuses one cell at every step of a scan, named here so that collecting the tests
