@@ -157,17 +157,17 @@ def test_shared_embedding_gathered_once_per_pass():
     assert each["reduce-scatter"]["bytes"] - once["reduce-scatter"]["bytes"] == pytest.approx((uses - 1) * scattered)
 
 
-# remat 'full' against 'none': at most this fraction of the temporaries. BERT and Llama at these shapes
-# (2 rows of 12 tokens, width 32 per device) hold activations small beside their parameters' own
-# temporaries: measured 0.90x and 0.95x there, so only "never more" is claimed for them.
-REMAT_SAVES = {"hf_bert": 1.0, "hf_llama": 1.0}
+# The remat check runs on the cases it was measured on. transformers' BERT, T5 and Llama (added for issue
+# 42's placement) are left out: at these shapes (2 rows of 12 tokens, width 32 per device) their
+# activations are small beside the parameters' own temporaries (remat 'full' kept 0.90x, 0.73x and 0.95x
+# of 'none'), so the check says nothing about remat there, and it costs a minute of CI.
+REMAT_CASES = [n for n in sorted(CASES) if n not in ("hf_bert", "hf_t5", "hf_llama")]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", REMAT_CASES)
 def test_remat_never_costs_memory(name):
-    """remat 'full' keeps at most 0.8x the temporaries of 'none' (stage 0, bf16; REMAT_SAVES where the
-    activations are too small for that); on a recurrent model, where it saves nothing, the engine measures
-    both, runs 'none' and says so."""
+    """remat 'full' keeps at most 0.8x the temporaries of 'none' (stage 0, bf16); on a recurrent model,
+    where it saves nothing, the engine measures both, runs 'none' and says so."""
     c = case(name)
     temps, engines = {}, {}
     for remat in ("none", "full"):
@@ -183,7 +183,7 @@ def test_remat_never_costs_memory(name):
         assert engine.remat == "none" and temps["full"] == temps["none"]
         assert any("saves no memory on this model" in m for m in messages), messages
     else:
-        assert engine.remat == "full" and ratio <= REMAT_SAVES.get(name, 0.8)
+        assert engine.remat == "full" and ratio <= 0.8
 
 
 def test_branches_hold_at_most_two_groups():
