@@ -15,7 +15,10 @@ With M micro-batches per step stage 2 moves (M + 1) b_g Psi (N-1)/N and stage 3 
 (`theory_bytes`). The tensor axis is beside Megatron's volume (`megatron_all_reduces`). On any data size
 Psi counts the stored leaves (`sharding.padding`): at stages 1-3 a partitioned leaf that N divides in no
 free dimension is reduce-scattered and all-gathered with its padding, so the theory moves it too
-(`CommReport.padded_params`; stage 0 all-reduces the true gradients).
+(`CommReport.padded_params`; stage 0 all-reduces the true gradients). At stage 3 a leaf that the placement
+pass (`sharding/relocate.py`) gathers in k groups (a tied embedding at the lookup and at the head) moves
+its volume k times, a lookup among them without the backward gather it does not need
+(`CommReport.repeated_gathers` lists them).
 
 Host <-> device traffic (offload) is counted from the step's program: every transfer between memory
 kinds (a `device_put` to another memory space) with its per-device bytes, times the trip counts of the

@@ -89,8 +89,8 @@ _SUMS = {"add", "sub", "add_any"}
 
 def _linear_in(eqns, tainted: set) -> bool:
     """Whether the values in `tainted` (parameters) go through linear equations only and meet no
-    floating-point value on the way: then a pass over `eqns` is linear in the parameters, its backward
-    pass does not need them. Jaxprs inside equations (a `jit`, a `custom_vjp` call, a checkpoint) are
+    floating-point value on the way but in a sum: then a pass over `eqns` is linear in the parameters and
+    its backward pass does not need them. Jaxprs inside equations (a `jit`, a `custom_vjp` call, a checkpoint) are
     followed; a loop or a branch is taken to need them."""
     is_var = lambda a: not isinstance(a, jcore.Literal)
     for eqn in eqns:
