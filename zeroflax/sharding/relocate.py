@@ -166,7 +166,6 @@ def _bind(eqn, values: Sequence[Any]):
 class _Evaluation:
     def __init__(self, templates: dict[int, ShardedLeaf], names: dict[int, str]):
         self.templates, self.names = templates, names
-        self.uses = 0
 
     def run(self, jaxpr, consts, args) -> list:
         env: dict = {}
@@ -219,7 +218,6 @@ class _Evaluation:
                 full[i] = x
             return _bind(eqn, full)
 
-        self.uses += 1
         _count_placed(handles, _is_lookup(eqn, values))
         leaves = ":".join(self.names.get(k, str(k)) for k in sorted(handles))
         return run_group(apply, {k: handles[k] for k in sorted(handles)}, tuple(dynamic),
