@@ -11,6 +11,7 @@ library versions they need: tests/real_model_cases.py.
 """
 import dataclasses
 import functools
+import re
 import warnings
 
 import jax
@@ -184,6 +185,29 @@ def test_remat_never_costs_memory(name):
         assert any("saves no memory on this model" in m for m in messages), messages
     else:
         assert engine.remat == "full" and ratio <= 0.8
+
+
+def _operands(hlo: str, name: str) -> list[str]:
+    """The operands of the instruction `name` in the compiled program's text."""
+    line = next(l for l in hlo.splitlines() if l.strip().startswith(f"%{name} = "))
+    return re.findall(r"%([\w.\-]+)", line.split("metadata=")[0].split("=", 1)[1])
+
+
+def test_kept_embedding_gathered_once_its_first_use_has_its_inputs():
+    """wmt's shared embedding, kept within Config.max_reuse_distance, is gathered by the placement pass at
+    its first use (the encoder's lookup), not on entry: the gather is tied to that use's inputs that come
+    from the batch (the token ids), not to its constant table of positions, a tie XLA folds away."""
+    engine, state, batch = stage3("wmt")
+    hlo = engine.compile(state, batch, engine.phases[-1]).as_text()
+    assert engine.gathered_on_entry() == []
+    gathers = [l for l in hlo.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", l)
+               and "zeroflax_group[kept:shared_embedding/embedding]" in l]
+    assert len(gathers) == 1, gathers  # once: kept to the backward pass, not gathered again there
+    integer_params = set(re.findall(r"(param[\w.]*): s32\[", hlo)) | set(
+        re.findall(r"%(param[\w.]*) = s32\[[^\]]*\][^=]* parameter\(", hlo))
+    name = re.match(r"\s*%(\S+) =", gathers[0]).group(1)
+    tie = _operands(hlo, _operands(hlo, name)[0])  # the gather's operand: the shard, tied
+    assert integer_params & set(tie), f"the kept gather does not wait for the token ids: {tie}"
 
 
 def test_branches_hold_at_most_two_groups():

@@ -160,9 +160,10 @@ class Config:
         stage3_max_live_parameters): the next group's gather is issued while the current group computes
         (prefetch) only if both fit in it; 0 never prefetches.
     max_reuse_distance: a ZeRO-3 parameter that several groups use (a shared embedding, a module called
-        from several places) is gathered once on entry and kept, instead of at every use, when fewer than
-        this many parameter elements are gathered by other groups between any two of its uses (DeepSpeed's
-        stage3_max_reuse_distance); 0 never keeps one.
+        from several places) is gathered once, at its first use, and kept for the later ones and the
+        backward pass, instead of at every use, when fewer than this many parameter elements are gathered
+        by other groups between any two of its uses (DeepSpeed's stage3_max_reuse_distance); 0 never
+        keeps one.
     quantized_weights: ZeRO++ qwZ: ZeRO-3 gathers move int8 blocks with one scale each, dequantized on
         arrival to the compute dtype; master weights and gradients stay fp32.
     quantization_block: elements per int8 block (and per scale) for quantized_weights.

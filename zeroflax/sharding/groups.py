@@ -57,16 +57,20 @@ class _Level:
 
     def __init__(self):
         self.last_input = self.last_output = self.before_output = None
-        self.last_size = 0
+        self.last_size, self.last_leaves = 0, frozenset()
 
-    def gather_anchor(self, own, size: int, max_live: int):
+    def gather_anchor(self, own, size: int, max_live: int, leaves: frozenset = frozenset()):
         """The value the next group's gather waits for, whatever order XLA schedules branches in:
         - prefetch (both groups fit in `max_live`): the output of the group before the last one, so
           only the last group (still computing) and this one hold gathered weights; before there is
           one, the last group's input (its gather's own anchor);
-        - otherwise: the last group's output and this group's own input, so one group at a time."""
+        - otherwise: the last group's output and this group's own input, so one group at a time.
+        A group that gathers a leaf the last group gathered too (`leaves`: their indices; a shared
+        embedding's lookup in the encoder, then in the decoder) is not prefetched: tied to the last
+        group's input, both gathers of that leaf could be tied to the same value, which makes them one
+        to XLA, and the first one's result would be kept for the second."""
         usable = lambda a: a is not None and own is not None and _same_trace(a, own)
-        if max_live and size + self.last_size <= max_live:
+        if max_live and size + self.last_size <= max_live and not leaves & self.last_leaves:
             for candidate in (self.before_output, self.last_input):
                 if usable(candidate):
                     return candidate
@@ -75,9 +79,9 @@ class _Level:
             return self.last_output + own
         return own
 
-    def ran(self, own, out_anchor, size: int) -> None:
+    def ran(self, own, out_anchor, size: int, leaves: frozenset = frozenset()) -> None:
         self.before_output, self.last_output = self.last_output, out_anchor
-        self.last_input, self.last_size = own, size
+        self.last_input, self.last_size, self.last_leaves = own, size, leaves
 
 
 _levels = ThreadStack(bottom=_Level)  # the nesting levels of module calls, innermost last
@@ -112,10 +116,14 @@ def _is_array(x) -> bool:
 
 def _anchor(tree, every: bool = False):
     """A float32 zero computed from the first floating, non-empty array of `tree` (from one element of
-    each of them with `every`); None without one."""
-    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in jax.tree.leaves(tree) if is_floating(x) and np.size(x)]
+    each of them with `every`); without one, from the first integer array (a group whose inputs are token
+    ids, T5's decoder embedding: its gather must wait for them too, not be issued when the step starts);
+    None without either."""
+    arrays = [x for x in jax.tree.leaves(tree) if _is_array(x) and np.size(x)]
+    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in arrays if is_floating(x)]
     if not firsts:
-        return None
+        ints = [x for x in arrays if jnp.issubdtype(x.dtype, jnp.integer)]
+        return jnp.ravel(ints[0])[0].astype(jnp.float32) * 0.0 if ints else None
     return (sum(firsts) if every else firsts[0]) * 0.0
 
 
@@ -177,7 +185,8 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
 
     level = _levels.top()
     own = _anchor(dynamic)
-    anchor = level.gather_anchor(own, size, ctx.max_live)
+    gathers = frozenset(x.index for x in jax.tree.leaves(variables, is_leaf=is_handle) if is_handle(x))
+    anchor = level.gather_anchor(own, size, ctx.max_live, gathers)
     if anchor is None:
         anchor = jnp.zeros((), jnp.float32)
 
@@ -213,8 +222,23 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
     call_group.defvjp(call_group_fwd, call_group_bwd)
     # Named, the group's inputs (its residuals) and outputs are what the loss's own checkpoint keeps.
     out = mark_boundary(call_group(variables, mark_boundary(dynamic), anchor))
-    level.ran(own, _anchor(out), size)
+    level.ran(own, _anchor(out), size, gathers)
     return out
+
+
+def gather_once_data_exists(handles: dict, data, name: str) -> dict:
+    """Leaf index -> `handles[index]` gathered outside any group, once `data` (the inputs of the first
+    use) exists: the tie keeps XLA from issuing the gather when the step starts. Named `name` in the
+    HLO's metadata, where the memory report finds it. Its backward pass reduce-scatters the gradient
+    summed over every use of the result (`sharding.relocate` keeps a shared leaf gathered this way)."""
+    ctx = current_context()
+    if ctx is not None and ctx.usage is not None:
+        ctx.usage.groups[name] = sum(h.size for h in handles.values())
+    anchor = _anchor([x for x in jax.tree.leaves(data) if _is_array(x)])
+    with jax.named_scope(f"{GROUP_SCOPE}{name}{GROUP_SCOPE_END}"):
+        # A block boundary: the loss's checkpoint keeps it to the backward pass rather than gathering it
+        # again there, where nothing would tie the gather to its uses (XLA issues it when the step starts).
+        return {index: mark_boundary(gather(_tie(handle, anchor))) for index, handle in handles.items()}
 
 
 def group(fn: Callable, name: str | None = None) -> Callable:

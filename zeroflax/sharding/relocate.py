@@ -34,7 +34,7 @@ from jax.extend import source_info_util
 
 from zeroflax.compat import scan_counts
 from zeroflax.sharding.context import current_context
-from zeroflax.sharding.groups import run_group
+from zeroflax.sharding.groups import gather_once_data_exists, run_group
 from zeroflax.sharding.handles import ShardedLeaf, gather
 from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END
 from zeroflax.sharding.remat import mark_boundary, remat_policy
@@ -164,18 +164,25 @@ def _bind(eqn, values: Sequence[Any]):
 
 
 class _Evaluation:
-    def __init__(self, templates: dict[int, ShardedLeaf], names: dict[int, str]):
-        self.templates, self.names = templates, names
+    def __init__(self, templates: dict[int, ShardedLeaf], names: dict[int, str], kept: frozenset = frozenset()):
+        self.templates, self.names, self.kept = templates, names, kept
+        self.kept_values: dict = {}  # leaf index -> its gathered array, from its first use on
+        self.from_weights: set = set()  # variables of the outer jaxpr computed from parameters and constants
 
-    def run(self, jaxpr, consts, args) -> list:
+    def run(self, jaxpr, consts, args, weights: int = 0) -> list:
+        """The values of `jaxpr`'s outputs; its first `weights` inputs are the parameters."""
         env: dict = {}
         read = lambda atom: atom.val if isinstance(atom, jcore.Literal) else env[atom]
         for var, value in zip(jaxpr.constvars, consts):
             env[var] = value
         for var, value in zip(jaxpr.invars, args):
             env[var] = value
+        if weights:  # the outer jaxpr: its constants (a table of positions) exist from the start too
+            self.from_weights.update(list(jaxpr.constvars) + list(jaxpr.invars[:weights]))
         for eqn in jaxpr.eqns:
             values = [read(v) for v in eqn.invars]
+            if all(isinstance(a, jcore.Literal) or a in self.from_weights for a in eqn.invars):
+                self.from_weights.update(eqn.outvars)
             leaf = _marked_leaf(eqn)
             if leaf is not None:
                 template = self.templates[leaf]
@@ -208,20 +215,41 @@ class _Evaluation:
         return self.use(eqn, values, handles)
 
     def use(self, eqn, values: list, handles: dict) -> list:
-        """`eqn` as a gather group of its own: the lazy inputs gathered and built inside it."""
+        """`eqn` as a gather group of its own: the lazy inputs gathered and built inside it. A leaf of
+        `kept` is gathered at its first use only, outside the group, and handed to this use and the later
+        ones as an input (`keep`)."""
         positions = [i for i, v in enumerate(values) if not isinstance(v, _Lazy)]
         dynamic = [values[i] for i in positions]
+        kept = sorted(k for k in handles if k in self.kept)
+        if kept:
+            data = [values[i] for i in positions if eqn.invars[i] not in self.from_weights]
+            dynamic += self.keep({k: handles[k] for k in kept}, data)
+            handles = {k: h for k, h in handles.items() if k not in self.kept}
 
         def apply(gathered, *dyn):
+            gathered = {**gathered, **dict(zip(kept, dyn[len(positions):]))}
             full = [v.build(gathered) if isinstance(v, _Lazy) else None for v in values]
             for i, x in zip(positions, dyn):
                 full[i] = x
             return _bind(eqn, full)
 
+        if not handles:  # every leaf it needs is kept gathered: the equation as it was
+            return apply({}, *dynamic)
         _count_placed(handles, _is_lookup(eqn, values))
         leaves = ":".join(self.names.get(k, str(k)) for k in sorted(handles))
         return run_group(apply, {k: handles[k] for k in sorted(handles)}, tuple(dynamic),
                          name=f"{eqn.primitive.name}:{leaves}")
+
+    def keep(self, handles: dict, data: list) -> list:
+        """The gathered arrays of the kept leaves in `handles` (sorted by index): each gathered at its first
+        use, once that use's inputs `data` exist, and kept for the uses after it (DeepSpeed's
+        max_reuse_distance). The gather's backward pass reduce-scatters the gradient once, summed over
+        every use."""
+        new = {k: h for k, h in handles.items() if k not in self.kept_values}
+        if new:
+            name = "kept:" + ":".join(self.names.get(k, str(k)) for k in sorted(new))
+            self.kept_values.update(gather_once_data_exists(new, data, name))
+        return [self.kept_values[k] for k in sorted(handles)]
 
     def scan_per_iteration(self, eqn, values: list) -> list | None:
         """A scan that reads parameter stacks as its scanned inputs, run again with each stack as a handle
@@ -281,14 +309,17 @@ class _Evaluation:
         return run_group(lambda gathered: value.build(gathered), handles, (), name="output")
 
 
-def relocated(fn: Callable, templates: dict[int, ShardedLeaf], names: dict[int, str]) -> Callable:
+def relocated(fn: Callable, templates: dict[int, ShardedLeaf], names: dict[int, str],
+              kept: frozenset = frozenset()) -> Callable:
     """`fn` (whose entry gathers are marked with `gathered_on_entry`) with each marked gather moved to
-    the uses of its leaf. `templates`: leaf index -> its handle as traced (shape, axis, dtype);
-    `names`: leaf index -> its path, for the groups' names."""
+    the uses of its leaf; its first argument holds the parameters. `templates`: leaf index -> its handle as traced (shape, axis, dtype);
+    `names`: leaf index -> its path, for the groups' names; `kept`: leaves gathered at their first use
+    and kept for the later ones (shared within Config.max_reuse_distance) rather than gathered at each."""
     def call(*args):
         closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
         flat = jax.tree.leaves(args)
-        outs = _Evaluation(templates, names).run(closed.jaxpr, closed.consts, flat)
+        outs = _Evaluation(templates, names, kept).run(closed.jaxpr, closed.consts, flat,
+                                                       weights=len(jax.tree.leaves(args[0])))
         return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
     return call

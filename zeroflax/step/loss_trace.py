@@ -125,7 +125,7 @@ class LossTrace:
                                      floats_to(batch, self.config.compute_dtype), rng, model_state)
                 at_use: dict = {}
                 marked = lambda p, b, r, m: self.call(self.params_for_compute(p, point_of_use, None, at_use), b, r, m)
-                return relocated(marked, at_use, self.leaf_paths())(
+                return relocated(marked, at_use, self.leaf_paths(), self.kept_leaves())(
                     params, floats_to(batch, self.config.compute_dtype), rng, model_state)
 
         policy = loss_remat_policy(ctx.remat)
@@ -173,7 +173,18 @@ class LossTrace:
             return frozenset()
         if usage.failed:
             return frozenset(range(len(jax.tree.leaves(self.plan.placements, is_leaf=is_placement))))
-        return frozenset(usage.raw)
+        return frozenset(usage.raw) | self.kept_leaves()
+
+    def kept_leaves(self) -> frozenset:
+        """The ZeRO-3 leaves that several groups share within Config.max_reuse_distance (a shared
+        embedding, a Linen module's `__call__` and `attend`): the placement pass gathers each at its first
+        use and keeps it for the later ones (DeepSpeed's meaning of the key), never on entry. A leaf also
+        used as a plain array is gathered at each use instead: the probe does not see where such a use falls
+        among the groups."""
+        usage = self.probe_usage
+        if usage is None or usage.failed or not self.can_relocate():
+            return frozenset()
+        return frozenset(reused_leaves(usage.group_calls, self.config.max_reuse_distance)) - frozenset(usage.raw)
 
     def leaf_paths(self) -> dict[int, str]:
         """Leaf index -> its path as `layers/w_in` (a group's name in the HLO's metadata ends at a `]`)."""
