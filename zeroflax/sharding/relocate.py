@@ -12,6 +12,8 @@ on every device for the whole step. Here the loss is traced once to a jaxpr with
   gather group of its own (`sharding.groups.run_group`): the leaf is gathered just before it, dropped
   after it, gathered again for its backward pass (unless the use is a lookup, `_linear_in`), and its
   gradient reduce-scattered there. A tied embedding is gathered at the lookup and at the head, never between;
+- a leaf several groups share within Config.max_reuse_distance (`kept`) is gathered at its first use
+  instead, tied to that use's inputs from the batch, and handed to the later uses as an input (`keep`);
 - a `scan` that takes stacks as its scanned inputs runs again with each stack as a handle sliced per
   iteration (`scan_per_iteration`): each iteration gathers its layer, checkpointed, as `scan_layers` does.
 
@@ -312,9 +314,10 @@ class _Evaluation:
 def relocated(fn: Callable, templates: dict[int, ShardedLeaf], names: dict[int, str],
               kept: frozenset = frozenset()) -> Callable:
     """`fn` (whose entry gathers are marked with `gathered_on_entry`) with each marked gather moved to
-    the uses of its leaf; its first argument holds the parameters. `templates`: leaf index -> its handle as traced (shape, axis, dtype);
-    `names`: leaf index -> its path, for the groups' names; `kept`: leaves gathered at their first use
-    and kept for the later ones (shared within Config.max_reuse_distance) rather than gathered at each."""
+    the uses of its leaf; its first argument holds the parameters. `templates`: leaf index -> its handle
+    as traced (shape, axis, dtype); `names`: leaf index -> its path, for the groups' names; `kept`: leaves
+    gathered at their first use and kept for the later ones (shared within Config.max_reuse_distance)
+    rather than gathered at each."""
     def call(*args):
         closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
         flat = jax.tree.leaves(args)
