@@ -212,6 +212,28 @@ def test_plain_leaves_without_gather_are_gathered_at_their_use():
     assert "dot_general:head" in engine.trace.gather_usage.groups, engine.trace.gather_usage.groups
 
 
+def test_a_shared_leaf_whose_first_group_takes_no_inputs_is_kept():
+    """A leaf two groups share within Config.max_reuse_distance is gathered at its first use and kept.
+    Here that use is a group with no inputs (a weight norm), whose tie is a literal zero in the jaxpr:
+    it once crashed the placement pass (a literal is unhashable). One SGD step equals plain JAX's."""
+    w = jnp.asarray(np.random.RandomState(0).randn(64, 16), jnp.float32)
+    x = jnp.asarray(np.random.RandomState(1).randn(16, 64), jnp.float32)
+
+    def loss(p, batch, rng):
+        norm = zeroflax.group(lambda q: jnp.mean(q["w"] ** 2), name="norm")(p)
+        y = zeroflax.group(lambda q, v: v @ q["w"], name="proj")(p, batch["x"])
+        return jnp.mean(y ** 2) + norm
+
+    config = zeroflax.Config(zero_stage=3, micro_batch_size=2, persistence_threshold=0)
+    engine, state = zeroflax.initialize(loss, {"w": w}, optax.sgd(0.1), config)
+    state, _ = engine.step(state, {"x": x})
+    assert engine.trace.kept_leaves() == {0} and engine.gathered_on_entry() == []
+    expected = w - 0.1 * jax.grad(lambda v: loss({"w": v}, {"x": x}, None))(w)
+    got = jax.device_get(engine.model_params(state))["w"]
+    at_most(float(np.max(np.abs(got - expected)) / np.max(np.abs(expected))), 1e-6,
+            "kept leaf with an input-free first group vs plain JAX")
+
+
 def test_quantize_blocks_round_trip():
     x = jax.random.normal(jax.random.PRNGKey(3), (37, 19)) * 3.0
     q, scale = quantize_blocks(x, 64)

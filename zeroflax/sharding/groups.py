@@ -234,7 +234,7 @@ def gather_once_data_exists(handles: dict, data, name: str) -> dict:
     ctx = current_context()
     if ctx is not None and ctx.usage is not None:
         ctx.usage.groups[name] = sum(h.size for h in handles.values())
-    anchor = _anchor([x for x in jax.tree.leaves(data) if _is_array(x)])
+    anchor = _anchor(data)
     with jax.named_scope(f"{GROUP_SCOPE}{name}{GROUP_SCOPE_END}"):
         # A block boundary: the loss's checkpoint keeps it to the backward pass rather than gathering it
         # again there, where nothing would tie the gather to its uses (XLA issues it when the step starts).

@@ -183,7 +183,7 @@ class _Evaluation:
             self.from_weights.update(list(jaxpr.constvars) + list(jaxpr.invars[:weights]))
         for eqn in jaxpr.eqns:
             values = [read(v) for v in eqn.invars]
-            if all(isinstance(a, jcore.Literal) or a in self.from_weights for a in eqn.invars):
+            if not any(self.from_data(a) for a in eqn.invars):
                 self.from_weights.update(eqn.outvars)
             leaf = _marked_leaf(eqn)
             if leaf is not None:
@@ -216,6 +216,11 @@ class _Evaluation:
                     for i in range(len(eqn.outvars))]
         return self.use(eqn, values, handles)
 
+    def from_data(self, atom) -> bool:
+        """Whether `atom` may depend on the batch: a variable not computed from parameters and constants
+        alone (a literal is a constant, and unhashable)."""
+        return not isinstance(atom, jcore.Literal) and atom not in self.from_weights
+
     def use(self, eqn, values: list, handles: dict) -> list:
         """`eqn` as a gather group of its own: the lazy inputs gathered and built inside it. A leaf of
         `kept` is gathered at its first use only, outside the group, and handed to this use and the later
@@ -224,7 +229,7 @@ class _Evaluation:
         dynamic = [values[i] for i in positions]
         kept = sorted(k for k in handles if k in self.kept)
         if kept:
-            data = [values[i] for i in positions if eqn.invars[i] not in self.from_weights]
+            data = [values[i] for i in positions if self.from_data(eqn.invars[i])]
             dynamic += self.keep({k: handles[k] for k in kept}, data)
             handles = {k: h for k, h in handles.items() if k not in self.kept}
 

@@ -75,6 +75,7 @@ class LossTrace:
         placements = jax.tree.leaves(self.plan.placements, is_leaf=is_placement)
         leaves, treedef = jax.tree.flatten(params)
         sources = sources or [None] * len(leaves)
+        relocated = self.relocated_leaves() if at_use is not None else frozenset()  # once, not per leaf
 
         def prepare(index, placement: LeafPlacement, leaf):
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -86,7 +87,7 @@ class LossTrace:
                                      sliced, sources[index], placement.pad)
                 if placement.stacked or index in point_of_use:
                     return handle
-                if at_use is not None and index in self.relocated_leaves():
+                if index in relocated:
                     at_use[index] = handle
                     return gathered_on_entry(handle, index)
                 return handle._gathered()
