@@ -153,6 +153,24 @@ def param_elements(tree) -> tuple[int, bool]:
     return total, stacked
 
 
+def record_group(name: str, size: int, leaves: frozenset, remat: bool = False) -> str:
+    """Note a gather group in the trace running (`GatherUsage`: its elements in `groups`, the call and
+    the leaves it gathers in `group_calls`, one more remat region with `remat`) and return its name,
+    numbered (`name#2`) when a block runs, or the loss is traced, more than once. The memory report finds
+    the group's gathers by that name (`GROUP_SCOPE`)."""
+    ctx = current_context()
+    if ctx is None or ctx.usage is None:
+        return name
+    base, count = name, 1
+    while name in ctx.usage.groups:
+        count += 1
+        name = f"{base}#{count}"
+    ctx.usage.groups[name] = size
+    ctx.usage.remat_regions += remat
+    ctx.usage.group_calls.append((name, size, leaves))
+    return name
+
+
 def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "group"):
     """`fn(gather(variables), *args, **kwargs)` as one gather group (see the module docstring).
 
@@ -166,15 +184,8 @@ def run_group(fn: Callable, variables, args=(), kwargs=None, *, name: str = "gro
     policy = remat_policy(ctx.remat)
     size, _ = param_elements(variables)
     has_handles = any(is_handle(x) for x in jax.tree.leaves(variables, is_leaf=is_handle))
-    if ctx.usage is not None:
-        base, count = name, 1
-        while name in ctx.usage.groups:  # a block called more than once (or traced twice)
-            count += 1
-            name = f"{base}#{count}"
-        ctx.usage.groups[name] = size
-        ctx.usage.remat_regions += policy is not None
-        handles = [x for x in jax.tree.leaves(variables, is_leaf=is_handle) if is_handle(x) and not x.stacked]
-        ctx.usage.group_calls.append((name, size, frozenset(x.index for x in handles)))
+    handles = [x for x in jax.tree.leaves(variables, is_leaf=is_handle) if is_handle(x) and not x.stacked]
+    name = record_group(name, size, frozenset(x.index for x in handles), remat=policy is not None)
     if policy is None and not has_handles:
         with _inside_group():
             return fn(variables, *args, **kwargs)
@@ -231,9 +242,7 @@ def gather_once_data_exists(handles: dict, data, name: str) -> dict:
     use) exists: the tie keeps XLA from issuing the gather when the step starts. Named `name` in the
     HLO's metadata, where the memory report finds it. Its backward pass reduce-scatters the gradient
     summed over every use of the result (`sharding.relocate` keeps a shared leaf gathered this way)."""
-    ctx = current_context()
-    if ctx is not None and ctx.usage is not None:
-        ctx.usage.groups[name] = sum(h.size for h in handles.values())
+    name = record_group(name, sum(h.size for h in handles.values()), frozenset(handles))
     anchor = _anchor(data)
     with jax.named_scope(f"{GROUP_SCOPE}{name}{GROUP_SCOPE_END}"):
         # A block boundary: the loss's checkpoint keeps it to the backward pass rather than gathering it

@@ -36,13 +36,11 @@ from jax.extend import source_info_util
 
 from zeroflax.compat import scan_counts
 from zeroflax.sharding.context import current_context
-from zeroflax.sharding.groups import gather_once_data_exists, run_group
+from zeroflax.sharding.groups import gather_once_data_exists, record_group, run_group
 from zeroflax.sharding.handles import ShardedLeaf, gather
+from zeroflax.sharding.program_groups import MARK, ProgramGroup, form_group, last_reads, marked_leaf
 from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END
 from zeroflax.sharding.remat import mark_boundary, remat_policy
-
-MARK = "zeroflax_gathered_on_entry_"
-
 
 def gathered_on_entry(handle: ShardedLeaf, index: int):
     """`handle` gathered, marked in the jaxpr as the entry gather of leaf `index` (a named jit call)."""
@@ -51,13 +49,6 @@ def gathered_on_entry(handle: ShardedLeaf, index: int):
 
     gather.__name__ = f"{MARK}{index}"
     return jax.jit(gather)(handle.shard, handle.source)
-
-
-def _marked_leaf(eqn) -> int | None:
-    name = eqn.params.get("name") if eqn.primitive.name in ("pjit", "jit") else None
-    if isinstance(name, str) and name.startswith(MARK):
-        return int(name[len(MARK):])
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,18 +165,32 @@ class _Evaluation:
     def run(self, jaxpr, consts, args, weights: int = 0) -> list:
         """The values of `jaxpr`'s outputs; its first `weights` inputs are the parameters."""
         env: dict = {}
+        lazy: dict = {}  # variable -> the leaves its lazy value needs (`program_groups.form_group` reads it)
         read = lambda atom: atom.val if isinstance(atom, jcore.Literal) else env[atom]
-        for var, value in zip(jaxpr.constvars, consts):
-            env[var] = value
-        for var, value in zip(jaxpr.invars, args):
-            env[var] = value
+
+        def assign(variables, values):
+            for var, value in zip(variables, values):
+                env[var] = value
+                if isinstance(value, _Lazy):
+                    lazy[var] = tuple(value.handles)
+
+        assign(jaxpr.constvars, consts)
+        assign(jaxpr.invars, args)
         if weights:  # the outer jaxpr: its constants (a table of positions) exist from the start too
             self.from_weights.update(list(jaxpr.constvars) + list(jaxpr.invars[:weights]))
-        for eqn in jaxpr.eqns:
+        eqns, index, last = jaxpr.eqns, 0, None
+        while index < len(eqns):
+            eqn = eqns[index]
             values = [read(v) for v in eqn.invars]
-            if not any(self.from_data(a) for a in eqn.invars):
-                self.from_weights.update(eqn.outvars)
-            leaf = _marked_leaf(eqn)
+            leaf = marked_leaf(eqn)
+            if leaf is None and any(isinstance(v, _Lazy) for v in values):
+                grouped = form_group(eqns, index, lazy, lambda k: self.templates[k].size, self.bucket(), self.alone)
+                if grouped is not None:
+                    last = last if last is not None else last_reads(jaxpr)
+                    self.run_program_group(grouped, eqns, env, assign, last)
+                    index = grouped.end
+                    continue
+            self.note_origin(eqn)
             if leaf is not None:
                 template = self.templates[leaf]
                 handle = dataclasses.replace(template, shard=values[0], source=values[1] if len(values) > 1 else None)
@@ -194,9 +199,61 @@ class _Evaluation:
                 outs = self.lazy_or_use(eqn, values)
             else:
                 outs = _bind(eqn, values)
-            for var, value in zip(eqn.outvars, outs):
-                env[var] = value
+            assign(eqn.outvars, outs)
+            index += 1
         return [self.materialize(read(v)) for v in jaxpr.outvars]
+
+    def note_origin(self, eqn) -> None:
+        """Note `eqn`'s outputs as computed from parameters and constants alone when its inputs are."""
+        if not any(self.from_data(a) for a in eqn.invars):
+            self.from_weights.update(eqn.outvars)
+
+    @staticmethod
+    def bucket() -> int:
+        ctx = current_context()
+        return ctx.bucket if ctx is not None else 0
+
+    def alone(self, eqn, leaves) -> bool:
+        """Whether a use is placed on its own, never in a program-order group: a scan (its stacks sliced per
+        iteration), a use of a kept leaf (gathered once, at its first use)."""
+        return eqn.primitive.name == "scan" or any(leaf in self.kept for leaf in leaves)
+
+    def run_program_group(self, grouped: ProgramGroup, eqns, env: dict, assign, last: dict) -> None:
+        """Equations `grouped.start`..`grouped.end - 1` as one gather group (`program_groups`): its weight
+        views built lazily first, then its body (uses and the data equations between them) inside one
+        `run_group`, gathering the distinct leaves its uses need once; the body's values read after it
+        are its outputs."""
+        for eqn in eqns[grouped.start:grouped.end]:
+            self.note_origin(eqn)
+        read = lambda atom: atom.val if isinstance(atom, jcore.Literal) else env[atom]
+        for eqn in grouped.views:
+            assign(eqn.outvars, self.lazy_or_use(eqn, [read(v) for v in eqn.invars]))
+        defined = [v for eqn in grouped.body for v in eqn.outvars]  # in program order: the group's signature
+        inside, inputs, lazies = set(defined), [], []
+        for eqn in grouped.body:
+            for atom in eqn.invars:
+                if isinstance(atom, jcore.Literal) or atom in inside:
+                    continue
+                inside.add(atom)
+                (lazies if isinstance(env[atom], _Lazy) else inputs).append(atom)
+        outputs = [v for v in defined if last.get(v, -1) >= grouped.end]
+        handles = {k: h for atom in lazies for k, h in env[atom].handles.items()}
+
+        def apply(gathered, *dyn):
+            local = dict(zip(inputs, dyn))
+            for atom in lazies:
+                local[atom] = env[atom].build(gathered)
+            value = lambda atom: atom.val if isinstance(atom, jcore.Literal) else local[atom]
+            for eqn in grouped.body:
+                local.update(zip(eqn.outvars, _bind(eqn, [value(a) for a in eqn.invars])))
+            return [local[v] for v in outputs]
+
+        lookup = all(env[a].linear for a in lazies) and _linear_in(list(grouped.body), set(lazies))
+        _count_placed(handles, lookup)
+        ends = [self.names.get(k, str(k)) for k in (grouped.leaves[0], grouped.leaves[-1])]
+        name = "uses:" + (ends[0] if len(grouped.leaves) == 1 else "..".join(ends))
+        outs = run_group(apply, {k: handles[k] for k in sorted(handles)}, tuple(env[a] for a in inputs), name=name)
+        assign(outputs, outs)
 
     def lazy_or_use(self, eqn, values: list) -> list:
         lazies = [v for v in values if isinstance(v, _Lazy)]
@@ -283,10 +340,8 @@ class _Evaluation:
         name = f"layer:{self.names.get(leaves[0], leaves[0])}"
         ctx = current_context()
         _count_placed(leaves, lookup=False)
-        if ctx is not None and ctx.usage is not None:
-            size = sum(h.size for _, h in stacks.values())
-            ctx.usage.groups[name] = size
-            ctx.usage.group_calls.append((name, size, frozenset(leaves)))
+        policy = remat_policy(ctx.remat) if ctx is not None else None
+        name = record_group(name, sum(h.size for _, h in stacks.values()), frozenset(leaves), remat=policy is not None)
 
         def step(carry, sliced):
             # The scope names the layer's gathers in the HLO's metadata, where the memory report finds them.
@@ -297,12 +352,9 @@ class _Evaluation:
 
         # Config.remat per iteration, as zeroflax.scan_layers applies it: a layer's activations (and its
         # gathered weights) are recomputed in its backward pass, the carries kept.
-        policy = remat_policy(ctx.remat) if ctx is not None else None
         if policy is not None:
             checkpointed = jax.checkpoint(step, policy=policy, prevent_cse=False)
             step = lambda carry, sliced: checkpointed(mark_boundary(carry), sliced)
-            if ctx.usage is not None:
-                ctx.usage.remat_regions += 1
 
         carry, ys = jax.lax.scan(step, list(init), scanned, length=params["length"], reverse=params["reverse"],
                                  unroll=params["unroll"])
