@@ -8,10 +8,12 @@ on every device for the whole step. Here the loss is traced once to a jaxpr with
 (`gathered_on_entry`), and the jaxpr is evaluated with the marked gathers left out: their results become
 *lazy* values (the handle, and the weight-only equations that follow it: a transpose, a cast), and
 
-- each equation where a lazy value meets the data (`zeroflax/sharding/uses.py` calls that a use) runs as a
-  gather group of its own (`sharding.groups.run_group`): the leaf is gathered just before it, dropped
-  after it, gathered again for its backward pass (unless the use is a lookup, `_linear_in`), and its
-  gradient reduce-scattered there. A tied embedding is gathered at the lookup and at the head, never between;
+- each equation where a lazy value meets the data (`zeroflax/sharding/uses.py` calls that a use) runs in a
+  gather group (`sharding.groups.run_group`), with the uses after it in program order while their leaves
+  fit in Config.prefetch_bucket_size (`sharding.program_groups`; one use alone with a bucket of 0): the
+  leaves are gathered just before it, dropped after it, gathered again for its backward pass (unless the
+  group is a lookup, `_linear_in`), and their gradient reduce-scattered there. A tied embedding is
+  gathered at the lookup and at the head, never between;
 - a leaf several groups share within Config.max_reuse_distance (`kept`) is gathered at its first use
   instead, tied to that use's inputs from the batch, and handed to the later uses as an input (`keep`);
 - a `scan` that takes stacks as its scanned inputs runs again with each stack as a handle sliced per
