@@ -60,3 +60,18 @@ def test_a_group_never_takes_more_than_its_bucket_nor_a_group_traced_already():
     group = _group(jaxpr, start, bucket=1000)
     assert group.leaves == (0, 1), group.leaves
     assert all(e.primitive.name not in ("scan", "custom_vjp_call", "custom_vjp_call_jaxpr") for e in group.body)
+
+
+def test_a_group_stops_before_an_effect():
+    """A callback between two uses stays outside any group: the group's backward pass recomputes its
+    body, and would run the callback again."""
+    def noisy(a, b, x):
+        h = jnp.tanh(x @ a)
+        jax.debug.callback(lambda s: None, jnp.sum(h))
+        return jnp.sum(h @ b)
+
+    v = jnp.ones((4, 4))
+    jaxpr = jax.make_jaxpr(noisy)(v, v, v).jaxpr
+    lazy = {var: (i,) for i, var in enumerate(jaxpr.invars[:2])}
+    start = next(i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general")
+    assert form_group(jaxpr.eqns, start, lazy, ELEMENTS.get, 1000, alone=lambda eqn, leaves: False) is None

@@ -14,7 +14,8 @@ A group stops before an equation it cannot hold:
   `custom_vjp` call, or a collective, anywhere inside the equation), so groups never nest;
 - a `scan` that reads a parameter (the pass slices its stacks per iteration) and a use of a leaf kept
   gathered between uses (`max_reuse_distance`), which the pass places on their own;
-- a marked entry gather (`sharding.relocate`).
+- a marked entry gather (`sharding.relocate`), and an equation with an effect (a callback), which the
+  group's backward pass would run again.
 Equations computed from parameters alone (a transpose, a cast: *weight views*) stay lazy, built inside
 the group that uses them; the data equations after the last use are left to the equations after the group.
 
@@ -85,8 +86,8 @@ def form_group(eqns: Sequence, start: int, lazy: dict, size_of: Callable[[int], 
         eqn = eqns[index]
         needs = [leaf for a in eqn.invars if _is_var(a) and a in lazy for leaf in lazy[a]]
         if not needs:
-            if holds_group(eqn) or marked_leaf(eqn) is not None:
-                break
+            if holds_group(eqn) or marked_leaf(eqn) is not None or eqn.effects:
+                break  # an effect (a callback) inside a group would run again when its backward recomputes it
             body.append((index, eqn))
             continue
         if is_view(eqn, lazy):
