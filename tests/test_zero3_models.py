@@ -416,3 +416,35 @@ def test_program_order_groups_follow_prefetch_bucket_size():
     assert 0.9 <= comm.ratio <= 1.1
     assert 0 < memory.gathered_peak <= by_hand.gathered_peak, (memory.gathered_by_group, by_hand.gathered_by_group)
     assert memory.gathered_peak < 3 * block * 4  # never the whole model's 3 blocks
+
+
+def test_a_recurrent_scan_whose_cell_state_is_unused_gathers_again_backward():
+    """A plain-JAX LSTM-like scan reading its weights at every step (one group around the loop) whose
+    final cell state the loss does not read: that output's cotangent is zeros, a constant. The group's
+    backward pass still gathers the weights again (2 gathers per leaf, ZeRO-3's volume) rather than
+    keeping the forward gather through the step, and the step equals plain JAX's."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    params = {"w": jax.random.normal(keys[0], (D, D)) * 0.2, "u": jax.random.normal(keys[1], (D, D)) * 0.2}
+
+    def loss(p, batch, rng):
+        def cell(carry, x):
+            c, h = carry
+            c = jnp.tanh(c + x @ p["u"])
+            return (c, jnp.tanh(h @ p["w"] + c)), None
+
+        xs = jnp.swapaxes(batch["x"], 0, 1)
+        zeros = jnp.zeros((xs.shape[1], D), xs.dtype)
+        (_, h), _ = jax.lax.scan(cell, (zeros, zeros), xs)  # the final cell state is unused
+        return jnp.mean(h ** 2)
+
+    batch = {"x": np.random.RandomState(0).randn(16, 6, D).astype(np.float32)}
+    config = zeroflax.Config(zero_stage=3, micro_batch_size=2, persistence_threshold=0)
+    engine, state = zeroflax.initialize(loss, params, optax.sgd(0.1), config)
+    state, _ = engine.step(state, batch)
+    comm = zeroflax.comm_report(engine, state, batch)
+    assert comm.by_kind["all-gather"]["count"] == 4, comm.by_kind  # w and u, forward and backward
+    assert 0.9 <= comm.ratio <= 1.1, comm.ratio
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(lambda p: loss(p, batch, None))(params))
+    got = jax.device_get(engine.model_params(state))
+    error = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
+    at_most(error, 1e-6, "a recurrent scan with an unused output vs plain JAX")
