@@ -62,6 +62,23 @@ def test_a_group_never_takes_more_than_its_bucket_nor_a_group_traced_already():
     assert all(e.primitive.name not in ("scan", "custom_vjp_call", "custom_vjp_call_jaxpr") for e in group.body)
 
 
+def test_a_group_never_starts_at_a_weight_view():
+    """A view computed before any use (`b.T` first) stays lazy: the group starts at the use reading it."""
+    def early_view(a, b, c, d, x):
+        bt = b.T
+        return jnp.sum(jnp.tanh(x @ a) @ bt)
+
+    v = jnp.ones((4, 4))
+    jaxpr = jax.make_jaxpr(early_view)(v, v, v, v, v).jaxpr
+    assert jaxpr.eqns[0].primitive.name == "transpose"
+    assert _group(jaxpr, 0, bucket=1000) is None
+    # Once the pass has evaluated the view (lazy, needing leaf 1), the group starting at the first use takes both.
+    lazy = {**{var: (i,) for i, var in enumerate(jaxpr.invars[:4])}, jaxpr.eqns[0].outvars[0]: (1,)}
+    start = next(i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general")
+    group = form_group(jaxpr.eqns, start, lazy, ELEMENTS.get, 1000, alone=lambda eqn, leaves: False)
+    assert group.leaves == (0, 1) and group.uses == 2
+
+
 def test_a_group_stops_before_an_effect():
     """A callback between two uses stays outside any group: the group's backward pass recomputes its
     body, and would run the callback again."""

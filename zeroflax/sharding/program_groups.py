@@ -77,8 +77,8 @@ def form_group(eqns: Sequence, start: int, lazy: dict, size_of: Callable[[int], 
     `lazy`: variable -> the leaves (indices) a lazy value needs, for the values computed so far;
     `size_of`: a leaf's elements gathered; `bucket`: Config.prefetch_bucket_size."""
     first = [leaf for a in eqns[start].invars if _is_var(a) and a in lazy for leaf in lazy[a]]
-    if bucket <= 0 or alone(eqns[start], first) or holds_group(eqns[start]):
-        return None
+    if bucket <= 0 or is_view(eqns[start], lazy) or alone(eqns[start], first) or holds_group(eqns[start]):
+        return None  # a view stays lazy: the group starts at the use that reads it
     lazy = dict(lazy)
     views, body, leaves, uses, last_use = [], [], [], 0, start
     elements = 0
