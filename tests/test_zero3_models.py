@@ -373,6 +373,14 @@ def test_a_plain_scan_gathers_one_layer_per_iteration_and_the_tied_head_at_its_u
                    "a plain lax.scan at stage 3")
 
 
+def sgd_step_error(engine, state, params, loss, batch) -> float:
+    """The largest difference between the engine's parameters after one SGD(0.1) step from `params` and
+    plain JAX's step."""
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(lambda p: loss(p, batch, None))(params))
+    got = jax.device_get(engine.model_params(state))
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
+
+
 def unmarked_loss(params, batch, rng):
     """`plain_loss` without a zeroflax call: the placement pass forms its groups from the program."""
     x = batch["x"]
@@ -390,7 +398,6 @@ def test_program_order_groups_follow_prefetch_bucket_size():
     params = plain_params(jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(32, D)).astype(np.float32), "y": rng.normal(size=(32, 8)).astype(np.float32)}
-    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(lambda p: unmarked_loss(p, batch, None))(params))
     block = 2 * D * 4 * D
     for bucket, groups in ((0, ["dot_general:blocks/0/w_in", "dot_general:blocks/0/w_out", "dot_general:blocks/1/w_in",
                                 "dot_general:blocks/1/w_out", "dot_general:blocks/2/w_in", "dot_general:blocks/2/w_out",
@@ -402,9 +409,8 @@ def test_program_order_groups_follow_prefetch_bucket_size():
         state, _ = engine.step(state, batch)
         assert list(engine.trace.gather_usage.groups) == groups, engine.trace.gather_usage.groups
         assert engine.gathered_on_entry() == []
-        got = jax.device_get(engine.model_params(state))
-        error = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
-        at_most(error, 1e-6, f"program-order groups, bucket {bucket}, vs plain JAX")
+        at_most(sgd_step_error(engine, state, params, unmarked_loss, batch), 1e-6,
+                f"program-order groups, bucket {bucket}, vs plain JAX")
     comm, memory = zeroflax.comm_report(engine, state, batch), zeroflax.memory_report(engine, state, batch)
     # The same blocks marked by hand (zeroflax.group per block, zeroflax.gather for the head): the
     # program's groups gather no more at once. Both hold a third weight beside two blocks (1.25x and 1.27x
@@ -444,7 +450,4 @@ def test_a_recurrent_scan_whose_cell_state_is_unused_gathers_again_backward():
     comm = zeroflax.comm_report(engine, state, batch)
     assert comm.by_kind["all-gather"]["count"] == 4, comm.by_kind  # w and u, forward and backward
     assert 0.9 <= comm.ratio <= 1.1, comm.ratio
-    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(lambda p: loss(p, batch, None))(params))
-    got = jax.device_get(engine.model_params(state))
-    error = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
-    at_most(error, 1e-6, "a recurrent scan with an unused output vs plain JAX")
+    at_most(sgd_step_error(engine, state, params, loss, batch), 1e-6, "a recurrent scan with an unused output vs plain JAX")

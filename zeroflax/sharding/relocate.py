@@ -117,14 +117,16 @@ def _linear_in(eqns, tainted: set) -> bool:
     return True
 
 
-def _is_lookup(eqn, values: Sequence[Any]) -> bool:
-    """Whether a use is linear in its parameters (`_linear_in`): an embedding lookup `w[ids]`, `jnp.take`,
-    an embedding module's gather group; its backward pass needs no parameters, so only its forward gathers."""
-    lazies = [v for v in values if isinstance(v, _Lazy)]
-    if not all(v.linear for v in lazies):
-        return False
-    tainted = {a for a, v in zip(eqn.invars, values) if isinstance(v, _Lazy) and not isinstance(a, jcore.Literal)}
-    return _linear_in([eqn], tainted)
+def _is_lookup(eqns, lazies: dict) -> bool:
+    """Whether equations `eqns` are linear in their parameters (`_linear_in`), `lazies` being their lazy
+    inputs (variable -> `_Lazy`): an embedding lookup `w[ids]`, `jnp.take`, an embedding module's gather
+    group; the backward pass needs no parameters, so only the forward gathers."""
+    return all(v.linear for v in lazies.values()) and _linear_in(list(eqns), set(lazies))
+
+
+def _lazy_inputs(eqn, values: Sequence[Any]) -> dict:
+    """`eqn`'s input variables whose values are lazy, with those values."""
+    return {a: v for a, v in zip(eqn.invars, values) if isinstance(v, _Lazy) and not isinstance(a, jcore.Literal)}
 
 
 def _count_placed(leaves, lookup: bool) -> None:
@@ -185,7 +187,8 @@ class _Evaluation:
             eqn = eqns[index]
             values = [read(v) for v in eqn.invars]
             leaf = marked_leaf(eqn)
-            if leaf is None and any(isinstance(v, _Lazy) for v in values):
+            touches_lazy = any(isinstance(v, _Lazy) for v in values)
+            if leaf is None and touches_lazy:
                 grouped = form_group(eqns, index, lazy, lambda k: self.templates[k].size, self.bucket(), self.alone)
                 if grouped is not None:
                     last = last if last is not None else last_reads(jaxpr)
@@ -197,7 +200,7 @@ class _Evaluation:
                 template = self.templates[leaf]
                 handle = dataclasses.replace(template, shard=values[0], source=values[1] if len(values) > 1 else None)
                 outs = [_Lazy({leaf: handle}, _leaf(leaf), root=leaf)]
-            elif any(isinstance(v, _Lazy) for v in values):
+            elif touches_lazy:
                 outs = self.lazy_or_use(eqn, values)
             else:
                 outs = _bind(eqn, values)
@@ -250,8 +253,7 @@ class _Evaluation:
                 local.update(zip(eqn.outvars, _bind(eqn, [value(a) for a in eqn.invars])))
             return [local[v] for v in outputs]
 
-        lookup = all(env[a].linear for a in lazies) and _linear_in(list(grouped.body), set(lazies))
-        _count_placed(handles, lookup)
+        _count_placed(handles, _is_lookup(grouped.body, {a: env[a] for a in lazies}))
         ends = [self.names.get(k, str(k)) for k in (grouped.leaves[0], grouped.leaves[-1])]
         name = "uses:" + (ends[0] if len(grouped.leaves) == 1 else "..".join(ends))
         outs = run_group(apply, {k: handles[k] for k in sorted(handles)}, tuple(env[a] for a in inputs), name=name)
@@ -270,7 +272,7 @@ class _Evaluation:
             def build(gathered, i):
                 return _bind(eqn, [v.build(gathered) if isinstance(v, _Lazy) else v for v in values])[i]
 
-            linear = _is_lookup(eqn, values)
+            linear = _is_lookup([eqn], _lazy_inputs(eqn, values))
             return [_Lazy(handles, lambda gathered, i=i: build(gathered, i), linear=linear)
                     for i in range(len(eqn.outvars))]
         return self.use(eqn, values, handles)
@@ -301,7 +303,7 @@ class _Evaluation:
 
         if not handles:  # every leaf it needs is kept gathered: the equation as it was
             return apply({}, *dynamic)
-        _count_placed(handles, _is_lookup(eqn, values))
+        _count_placed(handles, _is_lookup([eqn], _lazy_inputs(eqn, values)))
         leaves = ":".join(self.names.get(k, str(k)) for k in sorted(handles))
         return run_group(apply, {k: handles[k] for k in sorted(handles)}, tuple(dynamic),
                          name=f"{eqn.primitive.name}:{leaves}")
