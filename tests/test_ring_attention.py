@@ -259,6 +259,19 @@ def test_forward_permutes(data, seq):
     assert theory / 1.1 <= sent <= theory * 1.1, (sent, theory)
 
 
+def test_ring_is_a_loop_on_gpus_and_unrolled_on_the_cpu():
+    """The ring's middle steps (`_ring_steps`): one loop in the program lowered for CUDA (k and v sent before
+    it and once in its body, whatever the ring's size), S-1 transfers each of k and v written out in the
+    program lowered for the CPU, whose runtime may pair a transfer inside a loop with a collective beside
+    it (docs/perf.md)."""
+    seq = 8
+    mesh = _mesh(1, seq)
+    x = jax.ShapeDtypeStruct((B, 2 * seq * C, H, D), jnp.float32, sharding=NamedSharding(mesh, P("data", SEQ)))
+    for platform, permutes in (("cuda", 2 + 2), ("cpu", 2 * (seq - 1))):
+        text = jax.export.export(jax.jit(_sharded(mesh, causal=True)), platforms=(platform,))(x, x, x).mlir_module()
+        assert text.count("collective_permute") == permutes, platform
+
+
 def test_residuals_are_local():
     """The forward saves q, k, v, the output and the float32 log-sum-exp per row and head: the same for
     every ring size at a fixed t_local, nothing per step."""

@@ -265,21 +265,31 @@ def _shift(x, axis_name, S):
 
 def _ring_steps(step, kv, axis_name, S, carry):
     """`carry` after `step(carry, kv_r, r)` for r = 1 .. S-1, where kv_r is device (i - r)'s `kv`:
-    S-1 transfers from the left neighbour, the one for step r+1 issued before step r computes (the
-    middle steps, then the last one, so that nothing is sent after it).
+    S-1 transfers from the left neighbour, the one for step r+1 issued before step r computes (a loop
+    over the middle steps, the last one outside it so that nothing is sent after it).
 
-    The steps are unrolled, not a loop in the program: XLA:CPU from jaxlib 0.11 on runs a loop that holds
-    collectives beside the collectives outside it, and all of a shard_map's collectives share one
-    rendezvous key there, so a device can pair a ring transfer with another collective (at ZeRO stage 3,
-    a layer's weights gathered while its attention runs): an abort within 30 steps of
-    tests/test_sequence.py's stage-3 ring case, 0 in 600 steps unrolled (docs/perf.md). S is the
-    sequence axis's size (a few devices), and each step is a loop over tiles, so the program grows by S
-    small steps."""
+    On the CPU the middle steps are unrolled instead (`lax.platform_dependent`, decided when the step is
+    lowered): XLA:CPU from jaxlib 0.11 on runs a loop that holds collectives beside the collectives
+    outside it, and all of a shard_map's collectives share one rendezvous key there, so a device can pair
+    a ring transfer with another collective (at ZeRO stage 3, a layer's weight gather). That aborted
+    tests/test_sequence.py's stage-3 ring case within 30 steps in 3 of 3 runs; unrolled, none in 3 runs
+    of 300 (docs/perf.md). Elsewhere the loop stays: the program does not grow with the ring (unrolled, the
+    step of that case compiled 1.25x slower at S = 8)."""
     if S == 1:
         return carry
     kv = _shift(kv, axis_name, S)
-    for r in range(1, S - 1):  # a Python loop: straight-line code in the program, on every jax version
-        kv, carry = _shift(kv, axis_name, S), step(carry, kv, r)
+    if S > 2:
+        def body(r, loop_carry):
+            kv_r, inner = loop_carry
+            return _shift(kv_r, axis_name, S), step(inner, kv_r, r)
+
+        def unrolled(kv, carry):
+            for r in range(1, S - 1):
+                kv, carry = body(r, (kv, carry))
+            return kv, carry
+
+        looped = lambda kv, carry: jax.lax.fori_loop(1, S - 1, body, (kv, carry))
+        kv, carry = jax.lax.platform_dependent(kv, carry, cpu=unrolled, default=looped)
     return step(carry, kv, S - 1)
 
 
