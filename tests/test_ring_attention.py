@@ -190,7 +190,7 @@ def _check_ring(data, seq, tensor, causal, dtype, check_vma, c=C, block=512):
     else:
         # XLA:CPU sends bf16 arrays as float32 (its compiled permutes are f32), so the dtypes are read
         # from the program jax hands it: k and v travel in bf16, the accumulators in float32.
-        # The program's permutes (its ring steps are unrolled): the forward's k and v at each of the S-1
+        # The CPU program's permutes (its ring steps unrolled): the forward's k and v at each of the S-1
         # steps, [B/data, 2c, H, D] bf16; the backward's stacked k and v at each step, [2, B/data, 2c, H, D]
         # bf16, and its stacked accumulators before the first step and after each, float32.
         types = collections.Counter(re.findall(r"collective_permute.*-> tensor<([0-9x]+)x(bf16|f32)>",
