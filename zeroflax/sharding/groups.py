@@ -118,12 +118,16 @@ def _anchor(tree, every: bool = False):
     """A float32 zero computed from the first floating, non-empty array of `tree` (from one element of
     each of them with `every`); without one, from the first integer array (a group whose inputs are token
     ids, T5's decoder embedding: its gather must wait for them too, not be issued when the step starts);
-    None without either."""
-    arrays = [x for x in jax.tree.leaves(tree) if _is_array(x) and np.size(x)]
-    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in arrays if is_floating(x)]
+    None without either. Constants are passed over: a tie to one is folded away (a scan's initial carry of
+    zeros, an input of a group the placement pass made: an LSTM's gathers then ran at the step's start)."""
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.core.Tracer) and np.size(x)]
+    # The first element by index, not `ravel(x)[0]`: a reshape of an array sliced over an automatic axis
+    # (the vocabulary-parallel logits' cotangent, `tensor`) makes XLA gather it whole first.
+    first = lambda x: x[(0,) * x.ndim].astype(jnp.float32)
+    firsts = [first(x) for x in arrays if is_floating(x)]
     if not firsts:
         ints = [x for x in arrays if jnp.issubdtype(x.dtype, jnp.integer)]
-        return jnp.ravel(ints[0])[0].astype(jnp.float32) * 0.0 if ints else None
+        return first(ints[0]) * 0.0 if ints else None
     return (sum(firsts) if every else firsts[0]) * 0.0
 
 

@@ -241,6 +241,7 @@ class _Evaluation:
                     continue
                 inside.add(atom)
                 (lazies if isinstance(env[atom], _Lazy) else inputs).append(atom)
+        inputs.sort(key=lambda atom: not self.from_data(atom))  # the batch's first: see `use`
         outputs = [v for v in defined if last.get(v, -1) >= grouped.end]
         handles = {k: h for atom in lazies for k, h in env[atom].handles.items()}
 
@@ -286,7 +287,10 @@ class _Evaluation:
         """`eqn` as a gather group of its own: the lazy inputs gathered and built inside it. A leaf of
         `kept` is gathered at its first use only, outside the group, and handed to this use and the later
         ones as an input (`keep`)."""
-        positions = [i for i, v in enumerate(values) if not isinstance(v, _Lazy)]
+        # The inputs from the batch first: the group's gather is tied to its first floating input, and a
+        # tie to a value computed from constants alone (a scan's initial carry of zeros) is folded away.
+        positions = sorted((i for i, v in enumerate(values) if not isinstance(v, _Lazy)),
+                           key=lambda i: not self.from_data(eqn.invars[i]))
         dynamic = [values[i] for i in positions]
         kept = sorted(k for k in handles if k in self.kept)
         if kept:
