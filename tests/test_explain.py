@@ -171,9 +171,8 @@ def test_step_timeline_shows_zero_inside_the_all_reduce():
     batch = make(np.random.default_rng(0), 16)
     timelines = {}
     for stage in (0, 2, 3):
-        # A bucket that holds one Dense (1,088, 4,160 and 520 parameters) but no two: three gather groups.
         config = zeroflax.Config(zero_stage=stage, micro_batch_size=2, persistence_threshold=0,
-                                 prefetch_bucket_size=4200, mesh=zeroflax.MeshConfig({"data": -1, "tensor": 1}))
+                                 mesh=zeroflax.MeshConfig({"data": -1, "tensor": 1}))
         engine, state = zeroflax.initialize(loss, init, optax.adam(1e-3), config, sample_batch=batch, abstract=True)
         timelines[stage] = explain.step_timeline(engine, state, batch)
     moved = lambda stage, phase: sum(t.bytes for t in timelines[stage] if t.phase == phase)
@@ -183,7 +182,7 @@ def test_step_timeline_shows_zero_inside_the_all_reduce():
     assert scatter == pytest.approx(gather) and scatter > 0
     assert moved(0, "gradient sync (all-reduce)") == pytest.approx(scatter + gather, abs=64)  # + the loss
     # Stage 3: every layer gathered for the forward pass, its gradient reduce-scattered in the backward.
-    layers = {f"uses:Dense_{i}/kernel..Dense_{i}/bias" for i in range(3)}  # placed by the program
+    layers = {"Dense_0", "Dense_1", "Dense_2"}
     assert {t.row for t in timelines[3] if t.phase == "forward gather"} == layers
     assert {t.row for t in timelines[3] if t.phase == "backward reduce-scatter"} == layers
     order = [t.moment for t in timelines[3]]

@@ -129,12 +129,9 @@ def test_stage3_volume_and_gathered_weights(name):
 
 
 def test_depth_adds_no_gathered_weights():
-    """Doubling an unscanned model's depth leaves the gathered weights alive at the peak unchanged. From 8
-    blocks on the peak is the last group gathered twice (its forward gather and its backward pass's) and
-    two earlier groups' biases, which XLA:CPU keeps for the bf16 copies of their outputs it computes late;
-    with 4 blocks there are no earlier groups but the first (33,936 B, not 34,640)."""
+    """Doubling an unscanned model's depth leaves the gathered weights alive at the peak unchanged."""
     peaks = []
-    for blocks in (8, 16):
+    for blocks in (4, 8):
         model = DeepMLP(blocks)
         batch = {"x": np.zeros((32, D), np.float32), "y": np.zeros((32, 8), np.float32)}
         config = zeroflax.Config(zero_stage=3, precision="bf16", micro_batch_size=4, persistence_threshold=0,
@@ -278,9 +275,8 @@ class TiedNNX(nnx.Module):
 
 def test_raw_uses_are_gathered_at_each_use():
     """A parameter used as a plain array (indexed, transposed, `attend`) is gathered at each of its uses
-    (sharding/relocate.py), never on entry: with a bucket below the embedding's size, the tied
-    embedding's lookup and its head are two gather groups of their own and the Linear between them a third;
-    training still matches optax."""
+    (sharding/relocate.py), never on entry: the tied embedding's lookup and its head are two gather
+    groups of their own; training still matches optax."""
     params, apply = zeroflax.nnx_split(TiedNNX(nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     batches = [{"ids": rng.integers(0, 64, (16, 8)).astype(np.int32)} for _ in range(STEPS)]
@@ -289,18 +285,15 @@ def test_raw_uses_are_gathered_at_each_use():
         logits = apply(p, batch["ids"]).astype(jnp.float32)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["ids"][..., None], -1))
 
-    # 64 x 32 = 2,048 embedding elements; the Linear's 1,056 fit in the bucket, the embedding with them not.
-    config = zeroflax.Config(zero_stage=3, micro_batch_size=2, persistence_threshold=0, prefetch_bucket_size=1100)
+    config = zeroflax.Config(zero_stage=3, micro_batch_size=2, persistence_threshold=0)
     engine, state = zeroflax.initialize(loss, params, optax.adamw(1e-3, eps=1e-6), config)
     for batch in batches:
         state, _ = engine.step(state, batch)
     assert engine.probe_usage.failed is None
     assert engine.gathered_on_entry_reasons() == {}
-    groups = list(engine.trace.gather_usage.groups)
-    uses = [name for name in groups if name.endswith(":embedder/embedding")]
-    # The lookup (nnx.Embed's jitted take), then the Linear as one group, then `attend`'s matmul.
-    assert len(uses) == 2 and uses[1].startswith("dot_general:"), groups
-    assert groups.index(uses[0]) < groups.index("uses:mlp/kernel..mlp/bias") < groups.index(uses[1]), groups
+    uses = [name for name in engine.trace.gather_usage.groups if name.endswith(":embedder/embedding")]
+    # The lookup runs in the embedder's own group (a custom_vjp call), `attend` is a matmul outside any.
+    assert len(uses) == 2 and uses[0].startswith("custom_vjp") and uses[1].startswith("dot_general:"), uses
     assert_matches(jax.device_get(engine.model_params(state)), *reference_and_floor(zeroflax.unbox(params)[0], loss, batches),
                    "a tied NNX head at stage 3")
 
@@ -458,30 +451,3 @@ def test_a_recurrent_scan_whose_cell_state_is_unused_gathers_again_backward():
     assert comm.by_kind["all-gather"]["count"] == 4, comm.by_kind  # w and u, forward and backward
     assert 0.9 <= comm.ratio <= 1.1, comm.ratio
     at_most(sgd_step_error(engine, state, params, loss, batch), 1e-6, "a recurrent scan with an unused output vs plain JAX")
-
-
-class RecurrentHead(nn.Module):
-    """A recurrent cell run by `nn.RNN`, then a head."""
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(4)(nn.RNN(nn.OptimizedLSTMCell(16))(x)[:, -1])
-
-
-def test_a_scanned_cell_is_one_placed_group():
-    """At stage 3 the placement pass runs the scan that reads the cell's parameters as constants as one
-    group (`scan:...`), not one gather per step: the same collective bytes at 6 and 24 steps, at ZeRO-3's
-    volume."""
-    model = RecurrentHead()
-    totals = {}
-    for length in (6, 24):
-        x = np.zeros((16, length, 8), np.float32)
-        params = model.init(jax.random.PRNGKey(0), x[:2])["params"]
-        loss = lambda p, batch, rng: jnp.mean((model.apply({"params": p}, batch["x"]) - 1.0) ** 2)
-        config = zeroflax.Config(zero_stage=3, precision="bf16", micro_batch_size=2, persistence_threshold=0)
-        engine, state = zeroflax.initialize(loss, params, optax.adamw(1e-3), config)
-        comm = zeroflax.comm_report(engine, state, {"x": x})
-        assert 0.95 <= comm.ratio <= 1.05, comm.ratio
-        assert any(name.startswith("scan:OptimizedLSTMCell_0/") for name in engine.trace.gather_usage.groups)
-        totals[length] = comm.total_bytes
-    assert totals[6] == totals[24], totals

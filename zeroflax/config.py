@@ -154,11 +154,10 @@ class Config:
         and the backward pass, in pinned host memory: DeepSpeed's cpu_checkpointing).
         With zero_stage 3, 'none' is refused: it would keep every layer's gathered weights.
     prefetch_bucket_size: ZeRO-3 gather groups (DeepSpeed's stage3_prefetch_bucket_size, in parameter
-        elements). At stage 3 the placement pass forms them in program order: the uses of parameters
-        (a Flax module's matmuls, a tied head, a plain function's) join one group while their distinct
-        parameters fit in this (docs/zero3.md); 0 makes each use a group. Where modules are the groups
-        (stages 0-2, a pipeline, offload_param), a module whose parameters number at most this is one
-        group, its submodules with it; bigger modules are split into their submodules.
+        elements): a module whose parameters number at most this is gathered as one group, its
+        submodules with it; bigger modules are split into their submodules. Uses the placement pass
+        finds outside modules (a tied head, a plain function's matmuls) join one group in program order
+        while their parameters fit in this (docs/zero3.md); 0 makes each use a group.
     max_live_parameters: the most parameter elements gathered at once (DeepSpeed's
         stage3_max_live_parameters): the next group's gather is issued while the current group computes
         (prefetch) only if both fit in it; 0 never prefetches.

@@ -373,13 +373,11 @@ def memory_report(engine, state, batch) -> MemoryReport:
     gathered = {}
     if engine.config.zero_stage == 3:
         peak, by_group, wide = gathered_weights_at_peak(compiled.as_text(), np.dtype(engine.config.compute_dtype).itemsize)
-        # The step's groups where the placement pass placed the loss (sharding/relocate.py: the probe ran it
-        # with Flax modules as groups, which the step then does not make); else the probe's, and those only
-        # the step has (a leaf the loss uses as an array, gathered at each use).
+        # The probe's groups, and those only the step has: each use of a leaf gathered where the program
+        # uses it (sharding/relocate.py), which the probe (on handles) does not make.
+        groups = dict(engine.probe_usage.groups)
         step_usage = engine.trace.gather_usage
-        step_groups = step_usage.groups if step_usage else {}
-        groups = {} if engine.trace.by_program() and step_groups else dict(engine.probe_usage.groups)
-        groups.update({k: v for k, v in step_groups.items() if k not in groups})
+        groups.update({k: v for k, v in (step_usage.groups if step_usage else {}).items() if k not in groups})
         gathered = dict(gathered_peak=peak, gathered_by_group=by_group, gathered_wide_copies=wide,
                         groups=groups, gathered_on_entry=engine.gathered_on_entry_reasons())
     full_opt = sum(_bytes(x) for x in jax.tree.leaves(plan.abstract_opt_state))

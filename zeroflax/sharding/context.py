@@ -28,9 +28,6 @@ class GatherUsage:
     sequence_slices, sequence_attentions: calls of `sequence_slice` and `sequence_attention` (a sequence axis).
     scan_owners: Flax modules found running a lifted transform over shared (unstacked) parameters.
     group_calls: every group call in the order traced, with the handles (leaf indices) it gathers.
-    by_modules: leaf indices a Flax module's gather group gathered (the interceptor's groups, NNX's); the
-        others of `gathered` were gathered by the loss's own code (`zeroflax.group`, `scan_layers`,
-        `zeroflax.gather`). At stage 3 the placement pass places the former by the program instead.
     placed: leaf index -> how many gather groups the placement pass (`sharding.relocate`) made for it: one
         per use, or one for a scanned stack; `lookups`: how many of those read it at integer positions only.
     loss_traces: how many times the step traced the loss (twice with gradient accumulation: once for the
@@ -51,7 +48,6 @@ class GatherUsage:
     scan_owners: set = dataclasses.field(default_factory=set)  # Flax module paths: see LayerContext
     group_calls: list = dataclasses.field(default_factory=list)  # (group name, elements, leaf indices) in order
     lifted_in_groups: int = 0  # Flax modules met inside a group but bound to another scope tree (nn.scan, nn.RNN)
-    by_modules: set = dataclasses.field(default_factory=set)
     loss_traces: int = 0
     placed: dict = dataclasses.field(default_factory=dict)
     lookups: dict = dataclasses.field(default_factory=dict)
@@ -86,9 +82,6 @@ class LayerContext:
     # parameters at every step (a recurrent cell): found by the probe, each is one gather group whatever
     # its size, so the cell is gathered once per pass rather than once per step.
     scan_owners: frozenset = frozenset()
-    # Whether Flax module calls are gather groups (the Linen interceptor, NNX's groups). False where the
-    # placement pass (`sharding.relocate`) places their parameters by the program: the calls pass through.
-    modules_as_groups: bool = True
 
 
 _contexts = ThreadStack()  # of LayerContext: the engine's, while it traces the loss
@@ -106,18 +99,6 @@ def current_context() -> LayerContext | None:
 def current_usage() -> GatherUsage | None:
     ctx = current_context()
     return ctx.usage if ctx is not None else None
-
-
-_module_groups = ThreadStack()  # one entry per Flax module group being traced (in this thread)
-
-
-def module_group():
-    """A context manager: the gathers traced inside it are a Flax module group's (`GatherUsage.by_modules`)."""
-    return _module_groups.push(True)
-
-
-def in_module_group() -> bool:
-    return bool(_module_groups)
 
 
 def reused_leaves(group_calls, max_reuse_distance: int) -> dict:

@@ -7,8 +7,7 @@ activations with `Config.remat`'s policy. Flax modules become groups without a c
 blocks with `zeroflax.group(fn)(params, *args)`. Which modules: the outermost module (below the model
 itself) whose parameters number at most `Config.prefetch_bucket_size` is one group, so small modules
 share one gather; a module with more descends into its submodules, and one with no submodules that own
-parameters is a group whatever its size. At stage 3 the placement pass (`sharding.relocate`) forms the
-groups from the loss's program instead and module calls pass through (`LayerContext.modules_as_groups`).
+parameters is a group whatever its size.
 
 Why a custom_vjp around `jax.checkpoint`, and the "ties": XLA (on the CPU at least) removes
 optimization barriers and merges the backward pass's recomputation with the forward pass's identical
@@ -43,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeroflax.sharding.collectives import in_host_memory
-from zeroflax.sharding.context import current_context, module_group
+from zeroflax.sharding.context import current_context
 from zeroflax.sharding.handles import gather, is_handle
 from zeroflax.sharding.remat import is_floating, mark_boundary, remat_policy
 from zeroflax.sharding.scopes import GROUP_SCOPE, SCOPE_END as GROUP_SCOPE_END, ThreadStack
@@ -290,8 +289,7 @@ def _nnx_grouped_class(cls):
             def pure(st, *a, **k):
                 return cls.__call__(nnx.merge(graphdef, st), *a, **k)
 
-            with module_group():
-                return run_group(pure, state, args, kwargs, name=getattr(self, "_zeroflax_name", cls.__name__))
+            return run_group(pure, state, args, kwargs, name=getattr(self, "_zeroflax_name", cls.__name__))
 
         _nnx_grouped_classes[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
     return _nnx_grouped_classes[cls]
@@ -302,7 +300,7 @@ def nnx_groups(module) -> None:
     the caller keeps) into gather groups by the same rule as for Linen. Their state updates inside the
     group (e.g. NNX BatchNorm statistics) are not carried out: NNX model state is not supported yet."""
     ctx = current_context()
-    if ctx is None or not ctx.modules_as_groups or in_group():
+    if ctx is None or in_group():
         return
     from flax import nnx
 

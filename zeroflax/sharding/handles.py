@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from zeroflax.sharding.collectives import gather_for_compute, gather_from_host
-from zeroflax.sharding.context import current_usage, in_module_group
+from zeroflax.sharding.context import current_usage
 from zeroflax.sharding.scopes import ThreadStack
 
 
@@ -87,8 +87,6 @@ class ShardedLeaf:
         usage = current_usage()
         if usage is not None:
             usage.gathered.add(self.index)
-            if in_module_group():
-                usage.by_modules.add(self.index)
         return self._gathered()
 
     def _gathered(self):

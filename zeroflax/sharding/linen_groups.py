@@ -1,8 +1,5 @@
 """Flax Linen modules as gather groups, unchanged: a method interceptor installed while the engine traces
-the loss (`sharding.groups` has the group itself and the rule for which modules are groups). Where the
-placement pass places the parameters by the program (`LayerContext.modules_as_groups` False: stage 3's
-step, `sharding.relocate`), module calls pass through it; the probe still runs them as groups, to learn
-which leaves modules gather (`GatherUsage.by_modules`).
+the loss (`sharding.groups` has the group itself and the rule for which modules are groups).
 
 What model code does that the interceptor meets (docs/zero3.md, "Model code that meets a handle"):
 parameters declared in `setup()` (a global-shape view for Flax's shape check), modules held but not
@@ -15,7 +12,7 @@ from __future__ import annotations
 import contextlib
 
 from zeroflax.sharding.groups import call_level, in_group, param_elements, run_group
-from zeroflax.sharding.context import current_context, layer_context, module_group
+from zeroflax.sharding.context import current_context, layer_context
 from zeroflax.sharding.handles import gather, global_shape_view, is_handle
 from zeroflax.sharding.scopes import ThreadStack
 
@@ -74,8 +71,8 @@ def _linen_interceptor(next_fun, args, kwargs, context):
             return next_fun(*args, **kwargs)
     if ctx is not None and in_group() and module.scope is not None:
         _note_lifted_in_group(module, ctx)
-    if (ctx is None or not ctx.modules_as_groups or in_group() or context.method_name == "setup"
-            or module.scope is None or module.is_initializing()):
+    if (ctx is None or in_group() or context.method_name == "setup" or module.scope is None
+            or module.is_initializing()):
         return next_fun(*args, **kwargs)
     _note_lifted_call(module, ctx)
     foreign = _foreign_modules(module)
@@ -152,9 +149,8 @@ def _with_direct_gathered(module, method: str, names, args, kwargs):
 
     def gather_direct(tree):
         params = dict(tree["params"])
-        with module_group():  # the module's own gathers; those of code it runs (scan_layers) are not
-            for key in names:
-                params[key] = gather(params[key])
+        for key in names:
+            params[key] = gather(params[key])
         return {**tree, "params": params}
 
     def call(inner, *a, **k):
@@ -174,8 +170,7 @@ def _linen_group(module, method: str, variables: dict, args, kwargs):
         with _group_roots.push(None):
             return unbound.apply(v, *a, method=method, mutable=mutable or False, rngs=_rngs, **k)
 
-    with module_group():
-        out = run_group(pure, variables, args, {**kwargs, "_rngs": rngs}, name=_path(module))
+    out = run_group(pure, variables, args, {**kwargs, "_rngs": rngs}, name=_path(module))
     if not mutable:
         return out
     out, updates = out

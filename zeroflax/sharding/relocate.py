@@ -1,12 +1,10 @@
-"""ZeRO-3's gathers placed by the program: each parameter gathered at its uses, read from the loss's jaxpr.
+"""ZeRO-3 gathers moved from the loss's entry to each use of the parameter, read from the program (issue 42).
 
-At stage 3 every ZeRO-3 leaf that the loss's own code does not gather (`zeroflax.group`, `scan_layers`,
-`zeroflax.gather`) is placed here: the parameters of Flax modules (whose calls then pass through, not
-groups), a leaf used as a plain array (a tied head's `wte.T`, `x @ w`, `w[ids]`), and every leaf of a loss
-that cannot run on handles at all (a plain `lax.scan` over a dict of stacked arrays, an `nn.scan` without
-the 'layers' name). Gathered on entry instead, the tied token embedding, the largest tensor of most
-language models, or the whole model, would sit on every device for the whole step (`step.loss_trace`
-decides which leaves: `LossTrace.relocated_leaves`). The loss is traced once to a jaxpr with each such gather marked
+A ZeRO-3 leaf that no module, group or scan gathers itself (a tied head's `wte.T`, `x @ w`, `w[ids]`), and
+every leaf of a loss that cannot run on handles at all (a plain `lax.scan` over a dict of stacked arrays,
+an `nn.scan` without the 'layers' name), used to be gathered once when the loss starts and kept to the
+backward pass: the tied token embedding, the largest tensor of most language models, or the whole model,
+on every device for the whole step. Here the loss is traced once to a jaxpr with each such gather marked
 (`gathered_on_entry`), and the jaxpr is evaluated with the marked gathers left out: their results become
 *lazy* values (the handle, and the weight-only equations that follow it: a transpose, a cast), and
 
@@ -22,7 +20,8 @@ decides which leaves: `LossTrace.relocated_leaves`). The loss is traced once to 
   iteration (`scan_per_iteration`): each iteration gathers its layer, checkpointed, as `scan_layers` does.
 
 Every other equation is evaluated as `jax.core.eval_jaxpr` would (same primitives, same parameters, the
-same source information and name stack, so a module's name stays in the compiled program's metadata). Any other equation that holds
+same source information and name stack, so the groups the module interceptor made keep their names in
+the compiled program's metadata, where the memory report finds them). Any other equation that holds
 jaxprs (a `jit`, a `custom_vjp`, a `cond`, a loop over a stack read whole at each iteration) and takes a
 lazy value runs whole inside one group: correct, and no worse than on entry.
 """

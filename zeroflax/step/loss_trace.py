@@ -76,24 +76,20 @@ class LossTrace:
         leaves, treedef = jax.tree.flatten(params)
         sources = sources or [None] * len(leaves)
         relocated = self.relocated_leaves() if at_use is not None else frozenset()  # once, not per leaf
-        by_program = self.by_program()
 
         def prepare(index, placement: LeafPlacement, leaf):
             if not jnp.issubdtype(leaf.dtype, jnp.floating):
                 return leaf
             if stage3 and placement.zero_dim is not None:
-                # A stack's handle describes one layer; a stack the program places is one array to the
-                # pass, which slices it per iteration where a scan reads it (`sharding.relocate`).
-                placed = index in relocated and (not placement.stacked or by_program)
-                first = 1 if placement.stacked and not placed else 0
+                first = 1 if placement.stacked else 0  # a stack's handle describes one layer
                 dim, sliced = placement.zero_dim - first, placement.auto_spec()[first:]
                 handle = ShardedLeaf(leaf, dim, placement.zero_axis, dtype, tuple(placement.shape[first:]), index, block,
                                      sliced, sources[index], placement.pad)
-                if placed:
-                    at_use[index] = handle
-                    return gathered_on_entry(handle, index)
                 if placement.stacked or index in point_of_use:
                     return handle
+                if index in relocated:
+                    at_use[index] = handle
+                    return gathered_on_entry(handle, index)
                 return handle._gathered()
             return leaf.astype(dtype)
 
@@ -104,7 +100,7 @@ class LossTrace:
         config = self.config
         probed = self.probe_usage.scan_owners if self.probe_usage is not None else ()
         owners = frozenset(probed) if scan_owners is None else scan_owners
-        return LayerContext(remat=self.remat, bucket=config.prefetch_bucket_size, modules_as_groups=not self.by_program(),
+        return LayerContext(remat=self.remat, bucket=config.prefetch_bucket_size,
                             max_live=config.max_live_parameters, usage=usage,
                             sequence_parallel=config.sequence_parallel, tensor_size=self.mesh.shape.get(TENSOR_AXIS, 1),
                             sequence_size=sequence_size(self.mesh), sequence_attention=config.sequence_attention,
@@ -136,14 +132,12 @@ class LossTrace:
         policy = loss_remat_policy(ctx.remat)
         probe = self.probe_usage
         # Under a pipeline a stage's backward recomputes the stage anyway (and its output leaves the
-        # loss through the stage hook, which a checkpoint would not let it do). A loss placed by the
-        # program (`by_program`, or one the probe could not run: `sharding.relocate`) has each group and
-        # each scanned layer with its own remat: the loss's policy, which keeps every group's output, would keep them for every layer too
-        # (an nn.scan of Dense modules: 3.7x the temporaries; an unscanned MLP of 8 blocks at stage 3
-        # held two groups' weights twice over, 66,816 B against 34,640). But 'offload_full' is that
-        # checkpoint: it moves each group's input to the host (DeepSpeed's cpu_checkpointing).
+        # loss through the stage hook, which a checkpoint would not let it do). A loss the probe could not
+        # run is placed by the program (`sharding.relocate`), each use and each scanned layer with its own
+        # remat: the loss's policy, which keeps every group's output, would keep them for every layer too
+        # (an nn.scan of Dense modules: 3.7x the temporaries).
         if (policy is None or ctx.usage.probe or probe is None or not probe.remat_regions
-                or (probe.failed and self.can_relocate()) or (self.by_program() and ctx.remat != "offload_full")
+                or (probe.failed and self.can_relocate())
                 or active_stage() is not None):
             return loss(params, batch, rng, model_state)
         # Config.remat reaches the code between the checkpointed blocks too (a stem, pooling, the head
@@ -170,28 +164,17 @@ class LossTrace:
         pipeline (a stage's loss is its own trace) nor with offload_param (its gathers stream from the host)."""
         return self.config.zero_stage == 3 and active_stage() is None and not any(self.plan.streamed())
 
-    def by_program(self) -> bool:
-        """Whether the placement pass (`sharding.relocate`) places every ZeRO-3 leaf but those the loss's own
-        code gathers (`zeroflax.group`, `scan_layers`, `zeroflax.gather`): at stage 3 where it can
-        (`can_relocate`), once the probe ran the loss on handles. Flax module calls then pass through,
-        their parameters gathered at each use in program order rather than at the module's boundary."""
-        usage = self.probe_usage
-        return usage is not None and not usage.failed and self.can_relocate()
-
     def relocated_leaves(self) -> frozenset:
-        """The ZeRO-3 leaves the placement pass gathers at their uses (`sharding.relocate`) instead of on
-        entry: every one but those the loss's own code gathers (`point_of_use`): Flax modules' parameters,
-        leaves used as plain arrays (a tied head's `wte.T`, `x @ w`), leaves shared within
-        max_reuse_distance (`kept_leaves`); every one when the loss cannot run on handles at all (a plain
-        `lax.scan` over a dict of stacked arrays: each iteration then gathers its own slice). None where
-        the pass cannot run (`can_relocate`)."""
+        """The ZeRO-3 leaves gathered at each of their uses (`sharding.relocate`) instead of on entry: those
+        the loss uses as plain arrays (a tied head's `wte.T`, `x @ w`), and every one when the loss cannot
+        run on handles at all (a plain `lax.scan` over a dict of stacked arrays: each iteration then
+        gathers its own slice)."""
         usage = self.probe_usage
         if usage is None or not self.can_relocate():
             return frozenset()
-        every = frozenset(range(len(jax.tree.leaves(self.plan.placements, is_leaf=is_placement))))
         if usage.failed:
-            return every
-        return every - self.point_of_use()
+            return frozenset(range(len(jax.tree.leaves(self.plan.placements, is_leaf=is_placement))))
+        return frozenset(usage.raw) | self.kept_leaves()
 
     def kept_leaves(self) -> frozenset:
         """The ZeRO-3 leaves that several groups share within Config.max_reuse_distance (a shared
@@ -210,14 +193,10 @@ class LossTrace:
         return {i: jax.tree_util.keystr(path, simple=True, separator="/") for i, (path, _) in enumerate(paths)}
 
     def point_of_use(self) -> set:
-        """The ZeRO-3 leaves handed to the loss as handles, gathered where its code gathers them: with the
-        placement pass (`by_program`), those gathered by the loss's own marks only (`zeroflax.group`,
-        `scan_layers`, `zeroflax.gather`); without it, by those and by Flax modules' groups."""
         usage = self.probe_usage
         if usage is None or usage.failed:
             return set()
-        by_code = usage.gathered - usage.by_modules if self.by_program() else usage.gathered
-        return by_code - usage.raw - set(reused_leaves(usage.group_calls, self.config.max_reuse_distance))
+        return usage.gathered - usage.raw - set(reused_leaves(usage.group_calls, self.config.max_reuse_distance))
 
     def gathered_on_entry_reasons(self) -> dict[str, str]:
         """Path -> why of each ZeRO-3 partitioned leaf gathered on entry rather than where it is used."""
