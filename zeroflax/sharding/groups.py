@@ -118,8 +118,9 @@ def _anchor(tree, every: bool = False):
     """A float32 zero computed from the first floating, non-empty array of `tree` (from one element of
     each of them with `every`); without one, from the first integer array (a group whose inputs are token
     ids, T5's decoder embedding: its gather must wait for them too, not be issued when the step starts);
-    None without either. Constants are passed over: a tie to one is folded away (a scan's initial carry of
-    zeros, an input of a group the placement pass made: an LSTM's gathers then ran at the step's start)."""
+    None without either. Concrete arrays (not traced) are passed over: a tie to a constant is folded away.
+    A traced value computed from constants alone is not seen here: the placement pass puts its groups'
+    inputs from the batch first (`sharding.relocate`; an LSTM's initial carry of zeros)."""
     arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.core.Tracer) and np.size(x)]
     # The first element by index, not `ravel(x)[0]`: a reshape of an array sliced over an automatic axis
     # (the vocabulary-parallel logits' cotangent, `tensor`) makes XLA gather it whole first.
